@@ -1,0 +1,32 @@
+"""Shared test fixtures: a small GPT-2-style tokenizer built here (tiktoken's own `gpt2` would download)."""
+import base64
+
+import pytest
+
+# Byte-level ranks plus a few English merges, so that tokens span several bytes and
+# context/continuation splits are non-trivial. Each merge is reachable from two existing tokens.
+_MERGES = [b" t", b"he", b" the", b"in", b" a", b"er", b"on", b" o", b"re", b"an", b"at", b"en",
+           b" s", b"ing", b" c", b" w", b"is", b" b", b"or", b"ed", b" f", b"es", b" p", b"ar",
+           b" m", b"nd", b" and", b" in", b" of", b" to", b"\n\n", b" is", b"ion", b" Question", b":"]
+
+
+def write_tiktoken_file(path):
+    """Write the test ranks in tiktoken's file format (base64 token, rank) and return the path."""
+    tokens = [bytes([i]) for i in range(256)] + [m for m in _MERGES if len(m) > 1]
+    with open(path, "w") as f:
+        for rank, tok in enumerate(tokens):
+            f.write(f"{base64.b64encode(tok).decode()} {rank}\n")
+    return path
+
+
+@pytest.fixture(scope="session")
+def enc_file(tmp_path_factory):
+    """Path of a `.tiktoken` file with the test ranks (for CLI tests: `--tokenizer PATH`)."""
+    return write_tiktoken_file(tmp_path_factory.mktemp("tok") / "test.tiktoken")
+
+
+@pytest.fixture(scope="session")
+def enc(enc_file):
+    """The test encoding: GPT-2 pattern, test ranks, `<|endoftext|>` right after them."""
+    from data import load_encoding  # imported here so that model tests do not need data.py
+    return load_encoding(enc_file)

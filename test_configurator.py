@@ -1,0 +1,52 @@
+"""Tests of configurator.py: config files in order, then --key=value overrides, with clear errors."""
+import pytest
+
+from configurator import load_config
+
+DEFAULTS = dict(n_layer=12, lr=0.01, compile=True, anchor="none", out_dir="out")
+
+
+def write(tmp_path, name, text):
+    path = tmp_path / name
+    path.write_text(text)
+    return str(path)
+
+
+def test_files_in_order_then_overrides(tmp_path):
+    a = write(tmp_path, "a.py", "n_layer = 29\nanchor = 'exo'\nlr = 1\n")
+    b = write(tmp_path, "b.py", "import math\nn_layer = 4\n_helper = 3\n")
+    config = load_config(["--n_layer=7", a, b, "--compile=False", "--out_dir=123"], DEFAULTS)
+    assert config == dict(n_layer=7, lr=1.0, compile=False, anchor="exo", out_dir="123")
+    assert type(config["lr"]) is float  # an int where a float is expected is converted
+    assert load_config([a, b], DEFAULTS)["n_layer"] == 4  # the later file wins
+    assert DEFAULTS["n_layer"] == 12  # defaults are not modified
+
+
+def test_unknown_key_names_file_close_match_and_valid_keys(tmp_path):
+    a = write(tmp_path, "a.py", "n_layers = 29\n")
+    with pytest.raises(ValueError) as e:
+        load_config([a], DEFAULTS)
+    msg = str(e.value)
+    assert a in msg and "'n_layers'" in msg and "did you mean n_layer" in msg
+    assert "valid keys: anchor, compile, lr, n_layer, out_dir" in msg and "\n" not in msg
+    with pytest.raises(ValueError, match=r"--comple=0: unknown key 'comple' \(did you mean compile\?\)"):
+        load_config(["--comple=0"], DEFAULTS)
+
+
+@pytest.mark.parametrize("args,words", [
+    (["--n_layer=4.5"], ["--n_layer=4.5", "n_layer=4.5", "float", "expected int"]),
+    (["--compile=1"], ["compile=1", "expected bool"]),
+    (["--lr=fast"], ["lr='fast'", "expected float"]),
+    (["--n_layer", "4"], ["--n_layer", "expected --key=value"]),
+    (["missing_config.py"], ["missing_config.py", "cannot read"]),
+])
+def test_bad_arguments(args, words):
+    with pytest.raises(ValueError) as e:
+        load_config(args, DEFAULTS)
+    assert all(w in str(e.value) for w in words), str(e.value)
+
+
+def test_wrong_type_in_file(tmp_path):
+    a = write(tmp_path, "a.py", "compile = 'yes'\n")
+    with pytest.raises(ValueError, match=r"a\.py: compile='yes' is str, expected bool"):
+        load_config([a], DEFAULTS)

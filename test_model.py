@@ -1,0 +1,435 @@
+"""Tests of model.py: parameter counts, causality, the paper's equivalences, training signal, compile."""
+import glob
+import io
+import os
+import re
+from dataclasses import asdict, replace
+
+import pytest
+import torch
+
+from configurator import load_config
+from model import GPT, GPTConfig
+
+CONFIG_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
+VARIANT_FILES = sorted(f for f in glob.glob(os.path.join(CONFIG_DIR, "*.py")) if not f.endswith("tiny.py"))
+DEFAULTS = asdict(GPTConfig())
+TINY = dict(n_layer=3, n_embd=32, n_head=2, block_size=32, vocab_size=64)
+
+
+def file_config(path, **overrides):
+    return GPTConfig(**{**load_config([path], DEFAULTS), **overrides})
+
+
+def variant(name, **size):
+    return file_config(os.path.join(CONFIG_DIR, name + ".py"), **{**TINY, **size})
+
+
+def tiny_variants():
+    """Every distinct variant among the config files, at a tiny size: (file name, config)."""
+    seen = {}
+    for f in VARIANT_FILES:
+        cfg = file_config(f, **TINY)
+        seen.setdefault(cfg, os.path.basename(f)[:-3])
+    return [(name, cfg) for cfg, name in seen.items()]
+
+
+VARIANTS = tiny_variants()
+VARIANT_IDS = [name for name, _ in VARIANTS]
+
+
+def randomize(model, seed=0, keep=()):
+    """Random values for every parameter but those whose name contains a string of `keep`: the real
+    init zeroes lm_head, c_proj and fc2, which would make every logit 0 and every comparison trivial."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if any(k in name for k in keep):
+                continue
+            if ".lam." in name:
+                p.copy_(0.25 + 0.75 * torch.rand(p.shape, generator=g))
+            elif p.ndim == 1 and name.endswith("weight"):  # norm weights
+                p.copy_(1 + 0.2 * torch.randn(p.shape, generator=g))
+            elif p.ndim == 1:  # biases
+                p.copy_(0.5 * torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5)
+    return model
+
+
+def twin(model, config, exclude=()):
+    """A model of another variant carrying every weight the two share (but names containing a string
+    of `exclude`, which keep their init); returns it and the names it did not receive."""
+    other = GPT(config)
+    own = other.state_dict()
+    shared = {k: v for k, v in model.state_dict().items()
+              if k in own and own[k].shape == v.shape and not any(e in k for e in exclude)}
+    missing, _ = other.load_state_dict(shared, strict=False)
+    return other, missing
+
+
+def lambdas(model, which):
+    """The λ_{n,1} ('1') or λ_{n,2} ('2') parameters of every mixing layer."""
+    return [p for n, p in model.named_parameters() if ".lam." in n and n.endswith(which)]
+
+
+def tokens(config, B=2, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, config.vocab_size, (B, config.block_size), generator=g)
+
+
+# ---------------------------------------------------------------- parameter counts (SPEC §3.5)
+
+def spec_param_count(c):
+    C, H, L, V = c.n_embd, c.n_head, c.n_layer, c.vocab_size
+    D, m = C // H, len(c.mix)
+    total = L * (2 * C + 2 * D + 10 * C * C + (C * C if c.gate else 0)) + 2 * V * C + C
+    mixing_layers = {"none": 0, "internal": L - 1, "exo": L}[c.anchor]
+    total += mixing_layers * 2 * m * {"scalar": 1, "headwise": H, "elementwise": C}[c.granularity]
+    if c.anchor == "exo":
+        total += m * C * C + (m * D if c.anchor_norm else 0)
+    if c.anchor == "internal" and c.anchor_norm:
+        total += D * len(set(c.mix) & {"v", "g"})
+    if c.dynamic:
+        total += mixing_layers * (16 * C + 16 * 2 * m + 2 * m)
+    return total
+
+
+@pytest.mark.parametrize("path", VARIANT_FILES, ids=os.path.basename)
+def test_param_count_matches_spec_formula(path):
+    config = file_config(path)
+    with torch.device("meta"):  # no memory, no time
+        model = GPT(config)
+    assert model.num_params() == spec_param_count(config)
+
+
+def test_param_count_spec_examples():
+    with torch.device("meta"):
+        counts = {name: GPT(file_config(os.path.join(CONFIG_DIR, name + ".py"))).num_params()
+                  for name in ("gated", "dyn_exo", "gated_1b", "dyn_exo_1b")}
+    assert counts == {"gated": 437_582_464, "dyn_exo": 442_493_672,
+                      "gated_1b": 985_112_064, "dyn_exo_1b": 995_733_632}
+
+
+def test_config_files_name_their_variant():
+    c = {os.path.basename(f)[:-3]: file_config(f) for f in VARIANT_FILES}
+    assert (c["gated"].gate, c["gated"].anchor, c["gated"].n_layer) == (True, "none", 29)
+    assert (c["baseline"].gate, c["baseline"].n_layer) == (False, 32)
+    assert (c["resformer"].anchor, c["resformer"].mix, c["resformer"].gate) == ("internal", "v", False)
+    for k, g in (("s", "scalar"), ("h", "headwise"), ("e", "elementwise")):
+        assert (c[f"exoformer_{k}"].anchor, c[f"exoformer_{k}"].granularity) == ("exo", g)
+        assert (c[f"nuresformer_{k}"].anchor, c[f"nuresformer_{k}"].granularity) == ("internal", g)
+    assert c["dyn_exo"].dynamic and not c["exoformer_e"].dynamic
+    assert not c["exoformer_e_nonorm"].anchor_norm and c["exoformer_e"].anchor_norm
+    assert (c["nkqr_e"].mix, c["nkqr_e"].anchor_norm) == ("vg", False)
+    assert (c["dyn_exo_1b"].n_embd, c["dyn_exo_1b"].n_layer) == (1536, 32)
+    tiny = GPTConfig(**load_config([os.path.join(CONFIG_DIR, "dyn_exo.py"), os.path.join(CONFIG_DIR, "tiny.py")],
+                                   DEFAULTS))
+    assert tiny.dynamic and (tiny.n_layer, tiny.n_embd, tiny.block_size) == (4, 128, 256)
+
+
+def test_init():
+    model = GPT(variant("dyn_exo", n_embd=256, n_head=4))
+    zero = ("lm_head", "c_proj", "fc2")
+    for n, p in model.named_parameters():
+        if any(z in n for z in zero):
+            assert torch.all(p == 0), n
+        elif ".lam." in n:
+            assert torch.all(p == 1.0), n  # dynamic: 1.0, scaled by sigmoid(0) = 0.5
+        elif p.ndim == 1:
+            assert torch.all(p == 1), n  # RMSNorm weights (the only bias, dyn.fc2's, is zero above)
+        else:  # N(0, 0.02) truncated at 3 sigma
+            assert p.abs().max() <= 0.06 and abs(p.std().item() - 0.02) < 0.002, n
+    static = GPT(variant("exoformer_h"))
+    assert all(torch.all(p == 0.5) for p in lambdas(static, "1") + lambdas(static, "2"))
+
+
+# ---------------------------------------------------------------- an independent reference
+
+def reference_logits(model, idx):
+    """SPEC §2-3 written out step by step from the raw parameters, sharing no code with model.py."""
+    c, P = model.config, dict(model.named_parameters())
+    B, T = idx.shape
+    C, H, D = c.n_embd, c.n_head, c.n_embd // c.n_head
+    F = torch.nn.functional
+
+    def rms(x, w):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w
+
+    def heads(x):  # (B, T, C) -> (B, H, T, D)
+        return x.reshape(B, T, H, D).transpose(1, 2)
+
+    inv_freq = 1.0 / c.rope_theta ** (torch.arange(0, D, 2).float() / D)
+    angle = torch.arange(T).float()[:, None] * inv_freq[None, :]
+    cos, sin = torch.cat([angle.cos()] * 2, -1), torch.cat([angle.sin()] * 2, -1)
+
+    def rope(x):  # rotate-half: x * cos + (-x2, x1) * sin
+        return x * cos + torch.cat([-x[..., D // 2:], x[..., :D // 2]], -1) * sin
+
+    def lam(name):  # (), (H,) or (H, D), broadcast over (B, H, T, D)
+        p = P[name]
+        return p if p.numel() == 1 else p.reshape(H, 1, -1)
+
+    def anchor_norm(s, a):
+        return rms(a, P[f"anchor_norms.{s}.weight"]) if c.anchor_norm and s not in "qk" else a
+
+    h = P["wte.weight"][idx]
+    anchors = {}
+    if c.anchor == "exo":
+        a = h @ P["anchor_proj.weight"].T
+        for i, s in enumerate(s for s in "qkvg" if s in c.mix):
+            anchors[s] = heads(a[..., i * C:(i + 1) * C])
+            if c.anchor_norm:
+                anchors[s] = rms(anchors[s], P[f"anchor_norms.{s}.weight"])
+    mask = torch.ones(T, T, dtype=torch.bool).tril()
+    for n in range(c.n_layer):
+        pre = f"blocks.{n}."
+        x = rms(h, P[pre + "ln_1.weight"])
+        qkvg = x @ P[pre + "attn.c_attn.weight"].T
+        S = {s: heads(qkvg[..., i * C:(i + 1) * C]) for i, s in enumerate("qkvg"[:qkvg.shape[-1] // C])}
+        if c.anchor == "exo" or (c.anchor == "internal" and n > 0):
+            if c.dynamic:  # Eq. 12
+                d = torch.sigmoid(F.gelu(x @ P[pre + "attn.dyn.fc1.weight"].T) @ P[pre + "attn.dyn.fc2.weight"].T
+                                  + P[pre + "attn.dyn.fc2.bias"])
+            for j, s in enumerate(s for s in "qkvg" if s in c.mix):
+                l1, l2 = lam(pre + f"attn.lam.{s}1"), lam(pre + f"attn.lam.{s}2")
+                if c.dynamic:
+                    l1, l2 = l1 * d[:, None, :, 2 * j, None], l2 * d[:, None, :, 2 * j + 1, None]
+                S[s] = l1 * anchors[s] + l2 * S[s]  # Eq. 10
+        q, k = rms(S["q"], P[pre + "attn.q_norm.weight"]), rms(S["k"], P[pre + "attn.k_norm.weight"])
+        if c.anchor == "internal" and n == 0:
+            own = dict(S, q=q, k=k) if c.anchor_norm else S
+            anchors = {s: anchor_norm(s, own[s]) for s in c.mix}
+        att = (rope(q) @ rope(k).transpose(-1, -2)) / D ** 0.5
+        y = att.masked_fill(~mask, float("-inf")).softmax(-1) @ S["v"]
+        if c.gate:
+            y = y * torch.sigmoid(S["g"])
+        h = h + y.transpose(1, 2).reshape(B, T, C) @ P[pre + "attn.c_proj.weight"].T
+        a, b = (rms(h, P[pre + "ln_2.weight"]) @ P[pre + "mlp.fc1.weight"].T).chunk(2, -1)
+        h = h + (F.silu(b) * a) @ P[pre + "mlp.fc2.weight"].T
+    return rms(h, P["ln_f.weight"]) @ P["lm_head.weight"].T
+
+
+@pytest.mark.parametrize("name,config", VARIANTS, ids=VARIANT_IDS)
+def test_matches_reference_implementation(name, config):
+    model = randomize(GPT(config))
+    idx = tokens(config)
+    with torch.no_grad():
+        torch.testing.assert_close(model(idx)[0], reference_logits(model, idx), rtol=1e-4, atol=1e-4)
+
+
+# ---------------------------------------------------------------- causality
+
+@pytest.mark.parametrize("name,config", VARIANTS, ids=VARIANT_IDS)
+def test_causal(name, config):
+    model = randomize(GPT(config)).eval()
+    idx = tokens(config)
+    t = config.block_size // 2
+    changed = idx.clone()
+    changed[:, t] = (changed[:, t] + 1) % config.vocab_size
+    with torch.no_grad():
+        a, _ = model(idx)
+        b, _ = model(changed)
+    torch.testing.assert_close(a[:, :t], b[:, :t], rtol=0, atol=1e-6)
+    assert not torch.allclose(a[:, t], b[:, t])  # the change is visible from position t on
+
+
+# ---------------------------------------------------------------- equivalences on shared weights
+
+@pytest.mark.parametrize("granularity", ["scalar", "headwise", "elementwise"])
+def test_exoformer_with_lambda_1_0_and_2_1_is_gated_attention(granularity):
+    exo = randomize(GPT(variant("exoformer_e", granularity=granularity)))
+    with torch.no_grad():
+        for p in lambdas(exo, "1"):
+            p.zero_()
+        for p in lambdas(exo, "2"):
+            p.fill_(1.0)
+    gated, missing = twin(exo, variant("gated"))
+    assert missing == []
+    idx = tokens(exo.config)
+    torch.testing.assert_close(exo(idx)[0], gated(idx)[0])
+
+
+def test_dynamic_at_init_is_static_with_lambda_half():
+    dyn = randomize(GPT(variant("dyn_exo")), keep=(".lam.", "dyn.fc2"))  # λ and fc2 as initialised
+    static, missing = twin(dyn, variant("exoformer_e"), exclude=(".lam.",))
+    assert sorted(missing) == sorted(n for n, _ in static.named_parameters() if ".lam." in n)
+    assert all(torch.all(p == 0.5) for p in lambdas(static, "1") + lambdas(static, "2"))
+    idx = tokens(dyn.config)
+    torch.testing.assert_close(dyn(idx)[0], static(idx)[0])
+    # and the dynamic MLP does act once its output layer is trained away from zero
+    with torch.no_grad():
+        dyn.blocks[1].attn.dyn.fc2.bias.fill_(2.0)
+    assert not torch.allclose(dyn(idx)[0], static(idx)[0])
+
+
+@pytest.mark.parametrize("base", ["exoformer_s", "nuresformer_s"])
+def test_coarser_granularity_equals_finer_with_equal_values(base):
+    """headwise λ all equal to a scalar == scalar; elementwise λ equal along D == headwise."""
+    idx = tokens(variant(base))
+    coarse = randomize(GPT(variant(base)))
+    for finer in ("headwise", "elementwise"):
+        fine, missing = twin(coarse, variant(base, granularity=finer))
+        assert missing and all(".lam." in k for k in missing)
+        with torch.no_grad():
+            for (n, p), (m, q) in zip(coarse.named_parameters(), fine.named_parameters()):
+                assert n == m
+                if ".lam." in n:
+                    q.copy_(p.expand_as(q))  # (), (H,1,1) -> (H,1,1), (H,1,D)
+        torch.testing.assert_close(fine(idx)[0], coarse(idx)[0])
+        with torch.no_grad():  # unequal values along the finer axis do change the output
+            lambdas(fine, "2")[0].mul_(torch.linspace(0.5, 1.5, lambdas(fine, "2")[0].numel())
+                                       .view_as(lambdas(fine, "2")[0]))
+        assert not torch.allclose(fine(idx)[0], coarse(idx)[0])
+        coarse = fine
+
+
+@pytest.mark.parametrize("name", ["resformer", "nuresformer_e", "nuresformer_e_nonorm", "nkqr_e"])
+def test_internal_anchor_first_layer_has_no_lambda_and_ignores_mixing(name):
+    config = variant(name)
+    model = randomize(GPT(config))
+    assert len(model.blocks[0].attn.lam) == 0 and model.blocks[0].attn.dyn is None
+    assert all(len(b.attn.lam) == 2 * len(config.mix) for b in model.blocks[1:])
+    # layer 1 computes exactly what the same layer computes in the anchor-free model
+    plain, _ = twin(model, replace(config, anchor="none", mix="", anchor_norm=False, dynamic=False))
+    idx = tokens(config)
+    h0 = model.wte(idx)
+    torch.testing.assert_close(model.blocks[0](h0, None)[0], plain.blocks[0](h0, None)[0])
+    # ... while the deeper layers do mix: the whole model differs from the anchor-free one
+    assert not torch.allclose(model(idx)[0], plain(idx)[0])
+
+
+@pytest.mark.parametrize("name", ["exoformer_h", "dyn_exo", "nuresformer_e", "resformer", "nkqr_e"])
+def test_anchor_removal_equals_zero_lambda_1(name):
+    model = randomize(GPT(variant(name)))
+    idx = tokens(model.config)
+    with torch.no_grad():
+        full = model(idx)[0]
+        model.drop_anchor = True
+        dropped = model(idx)[0]
+        model.drop_anchor = False
+        for p in lambdas(model, "1"):
+            p.zero_()
+        zeroed = model(idx)[0]
+    torch.testing.assert_close(dropped, zeroed)
+    assert not torch.allclose(dropped, full)
+
+
+# ---------------------------------------------------------------- training signal
+
+@pytest.mark.parametrize("name,config", VARIANTS, ids=VARIANT_IDS)
+def test_every_parameter_gets_gradient_after_three_steps(name, config):
+    """Zero-init lm_head, then c_proj/fc2, then the dynamic MLP's output layer, each hold back the
+    gradient of what lies behind them for one step; after three steps nothing may still be dead."""
+    torch.manual_seed(0)
+    model = GPT(config)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    idx = tokens(config)
+    seen = {n: False for n, _ in model.named_parameters()}
+    for step in range(4):
+        opt.zero_grad()
+        model(idx[:, :-1], idx[:, 1:])[1].backward()
+        for n, p in model.named_parameters():
+            seen[n] |= bool(p.grad is not None and p.grad.abs().sum() > 0)
+        if step < 3:
+            opt.step()
+    assert [n for n, ok in seen.items() if not ok] == []
+
+
+@pytest.mark.parametrize("name,config", VARIANTS, ids=VARIANT_IDS)
+def test_tiny_model_fits_a_fixed_batch(name, config):
+    torch.manual_seed(0)
+    model = GPT(config)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, betas=(0.9, 0.95))
+    idx = tokens(config, B=4)
+    losses = []
+    for _ in range(40):
+        opt.zero_grad()
+        _, loss, z = model(idx[:, :-1], idx[:, 1:], with_z=True)
+        (loss + 1e-5 * z).backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.5 * losses[0], losses
+
+
+def test_loss_and_z_loss_are_cross_entropy_and_squared_logsumexp():
+    model = randomize(GPT(variant("gated")))
+    idx = tokens(model.config)
+    logits, loss, z = model(idx[:, :-1], idx[:, 1:], with_z=True)
+    ce = torch.nn.functional.cross_entropy(logits.flatten(0, 1), idx[:, 1:].flatten())
+    torch.testing.assert_close(loss, ce)
+    torch.testing.assert_close(z, (torch.logsumexp(logits, -1) ** 2).mean())
+    assert model(idx[:, :-1], idx[:, 1:])[1].item() == loss.item()
+
+
+# ---------------------------------------------------------------- compile, state dict, generate
+
+@pytest.mark.parametrize("name", ["dyn_exo", "nuresformer_e"])
+def test_compile_fullgraph_matches_eager(name):
+    model = randomize(GPT(variant(name)))
+    idx = tokens(model.config)
+    compiled = torch.compile(model, fullgraph=True)
+    eager_logits, eager_loss, eager_z = model(idx[:, :-1], idx[:, 1:], with_z=True)
+    logits, loss, z = compiled(idx[:, :-1], idx[:, 1:], with_z=True)
+    torch.testing.assert_close(logits, eager_logits, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(loss, eager_loss, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(z, eager_z, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("name", ["dyn_exo", "nuresformer_h", "resformer"])
+def test_state_dict_round_trip(name):
+    model = randomize(GPT(variant(name)))
+    buf = io.BytesIO()
+    torch.save(model.state_dict(), buf)
+    buf.seek(0)
+    torch.manual_seed(123)
+    other = GPT(variant(name))
+    other.load_state_dict(torch.load(buf, weights_only=True))
+    idx = tokens(model.config)
+    assert torch.equal(model(idx)[0], other(idx)[0])
+
+
+def test_generate_greedy_follows_argmax():
+    model = randomize(GPT(variant("dyn_exo"))).eval()
+    prompt = tokens(model.config)[:, :5]
+    out = model.generate(prompt, max_new_tokens=6, temperature=0)
+    assert out.shape == (2, 11) and torch.equal(out[:, :5], prompt)
+    seq = prompt
+    for _ in range(6):
+        seq = torch.cat([seq, model(seq)[0][:, -1].argmax(-1, keepdim=True)], dim=1)
+    assert torch.equal(out, seq)
+    torch.manual_seed(0)  # top_k=1 sampling is greedy too; crops to block_size when the prompt grows
+    assert torch.equal(model.generate(prompt, 6, temperature=0.8, top_k=1), out)
+    long = model.generate(prompt, model.config.block_size, top_k=5)
+    assert long.shape == (2, 5 + model.config.block_size)
+
+
+# ---------------------------------------------------------------- bad input
+
+@pytest.mark.parametrize("kwargs,words", [
+    (dict(anchor="external"), ["anchor", "'none'", "'internal'", "'exo'"]),
+    (dict(anchor="exo", mix="qkvg", gate=True, granularity="channel"),
+     ["granularity", "'scalar'", "'headwise'", "'elementwise'"]),
+    (dict(n_embd=100, n_head=16), ["n_head", "n_embd"]),
+    (dict(n_embd=96, n_head=32), ["n_head", "even"]),
+    (dict(anchor="exo", mix="qkx"), ["mix", "qkvg"]),
+    (dict(anchor="exo", mix="qq"), ["mix", "qkvg"]),
+    (dict(anchor="exo", mix="qkvg", gate=False), ["mix", "gate"]),
+    (dict(anchor="none", mix="v"), ["anchor", "mix"]),
+    (dict(anchor="exo"), ["mix", "qkvg"]),
+])
+def test_bad_config_raises_at_construction(kwargs, words):
+    with pytest.raises(ValueError) as e:
+        GPTConfig(**kwargs)
+    assert all(w in str(e.value) for w in words), str(e.value)
+
+
+def test_readme_variant_table_is_true():
+    """The parameter column of README.md's variant table is what the config files build."""
+    readme = open(os.path.join(os.path.dirname(CONFIG_DIR), "README.md")).read()
+    rows = re.findall(r"^\|[^|]*\| `(\w+)\.py` \|.*\| ([\d,]+) \|$", readme, flags=re.M)
+    assert sorted(name for name, _ in rows) == sorted(os.path.basename(f)[:-3] for f in VARIANT_FILES)
+    for name, count in rows:
+        with torch.device("meta"):
+            model = GPT(file_config(os.path.join(CONFIG_DIR, name + ".py")))
+        assert model.num_params() == int(count.replace(",", "")), name
