@@ -1,0 +1,440 @@
+"""Prepare token shards for training (format: see data.py).
+
+Download the GPT-2-tokenised FineWeb-Edu 10B shards:
+    python prepare.py [--data_dir data/finewebedu10B] [--train_shards N] [--workers 4] [--base_url URL]
+or tokenise your own text (.txt, .jsonl, .jsonl.gz) into the same format:
+    python prepare.py --tokenize PATH... --data_dir DIR [--name NAME] [--shard_tokens N]
+                      [--val_tokens N] [--workers N] [--tokenizer PATH.tiktoken]
+"""
+import argparse
+import glob
+import gzip
+import json
+import multiprocessing
+import os
+import shutil
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor, as_completed
+
+import numpy as np
+import requests
+from tqdm import tqdm
+
+from data import load_encoding, read_header, write_shard
+
+BASE_URL = "https://huggingface.co/datasets/kjj0/finewebedu10B-gpt2/resolve/main"
+NUM_TRAIN_SHARDS = 99
+MAX_TRIES = 8       # failed attempts in a row before giving up on a file (an attempt that
+                    # brings new bytes resets the count, so a flaky link still gets there)
+BACKOFF = 1.0       # seconds before the first retry, doubled after each failure (tests set 0)
+TIMEOUT = (10, 60)  # seconds: connect, and silence while reading
+
+
+class DownloadError(RuntimeError):
+    pass
+
+
+class _Retry(Exception):
+    """A failure worth another attempt (5xx, dropped connection, short body). restart=True: the
+    partial file is useless (the server will not resume it, or it is complete but invalid)."""
+
+    def __init__(self, message, restart=False):
+        super().__init__(message)
+        self.restart = restart
+
+
+class _Bar:
+    """One tqdm bar of bytes shared by the download threads (totals are learnt as files start)."""
+
+    def __init__(self, **kw):
+        self.bar = tqdm(total=0, unit="B", unit_scale=True, unit_divisor=1024, **kw)
+        self.lock = threading.Lock()
+
+    def grow(self, total):
+        with self.lock:
+            self.bar.total += total
+            self.bar.refresh()
+
+    def update(self, n):
+        with self.lock:
+            self.bar.update(n)
+
+
+def shard_names(train_shards):
+    return ["finewebedu_val_000000.bin"] + [f"finewebedu_train_{i:06d}.bin"
+                                            for i in range(1, train_shards + 1)]
+
+
+def _attempt(url, part, have, bar, counted, stop):
+    """One HTTP request: append to `part` from byte `have`, or rewrite it when the server ignores
+    the Range header. Returns the file size the server announced (None if it did not say)."""
+    headers = {"Accept-Encoding": "identity"}  # byte ranges must refer to the file itself
+    if have:
+        headers["Range"] = f"bytes={have}-"
+    with requests.get(url, headers=headers, stream=True, timeout=TIMEOUT) as r:
+        if r.status_code == 404:
+            raise FileNotFoundError(f"{url}: HTTP 404 Not Found (no such file; check --base_url)")
+        if r.status_code == 416:  # our partial file is not shorter than theirs
+            raise _Retry("HTTP 416: the server rejected the resume range", restart=True)
+        if r.status_code >= 500 or r.status_code == 429:
+            raise _Retry(f"HTTP {r.status_code} {r.reason}")
+        if r.status_code == 206:
+            crange = r.headers.get("Content-Range", "")  # "bytes START-END/TOTAL"
+            try:
+                start, total = int(crange.split()[1].split("-")[0]), crange.split("/")[1]
+            except (IndexError, ValueError):
+                raise _Retry(f"unreadable Content-Range {crange!r}", restart=True) from None
+            if start != have:
+                raise _Retry(f"the server resumed at byte {start}, not {have}", restart=True)
+            total, mode = (int(total) if total.isdigit() else None), "ab"
+        elif r.status_code == 200:  # no range support (or a fresh start): rewrite from byte 0
+            length = r.headers.get("Content-Length", "")
+            total, mode = (int(length) if length.isdigit() else None), "wb"
+            bar.update(-have)
+        else:
+            raise DownloadError(f"{url}: HTTP {r.status_code} {r.reason}")
+        if total is not None and not counted[0]:
+            bar.grow(total)
+            counted[0] = True
+        with open(part, mode) as f:
+            for chunk in r.iter_content(chunk_size=1 << 20):
+                if stop is not None and stop.is_set():
+                    raise DownloadError(f"{url}: stopped")
+                f.write(chunk)
+                bar.update(len(chunk))
+    return total
+
+
+def download_file(url, dest, bar=None, stop=None):
+    """Download url to dest through dest + '.part', resuming with HTTP Range requests and retrying
+    with exponential backoff. dest appears only once its shard header and exact size check out."""
+    part = dest + ".part"
+    bar = bar or _Bar(disable=True)
+    counted = [False]  # whether this file's size is in the bar's total yet
+    size = lambda: os.path.getsize(part) if os.path.exists(part) else 0
+    bar.update(size())  # bytes left by an interrupted run count as done
+    try:  # an interrupted run may have stopped just before the rename
+        read_header(part)
+        os.replace(part, dest)
+        return
+    except (ValueError, FileNotFoundError):
+        pass
+    failures = 0
+    while True:
+        if stop is not None and stop.is_set():
+            raise DownloadError(f"{url}: stopped")
+        have = size()
+        try:
+            total = _attempt(url, part, have, bar, counted, stop)
+            if total is not None and size() < total:
+                raise _Retry(f"the body ended after {size()} of {total} bytes")
+            try:
+                read_header(part)  # magic, version and exact size 1024 + 2*ntok
+            except ValueError as e:
+                raise _Retry(f"downloaded file is not a valid shard ({e})", restart=True) from None
+            os.replace(part, dest)
+            return
+        except (requests.exceptions.InvalidURL, requests.exceptions.MissingSchema,
+                requests.exceptions.InvalidSchema) as e:
+            raise DownloadError(f"{url}: invalid URL ({e})") from None
+        except (_Retry, requests.RequestException) as e:  # timeouts, dropped connections, 5xx
+            error = e
+        restart = getattr(error, "restart", False)
+        failures = 1 if size() > have and not restart else failures + 1
+        if restart and os.path.exists(part):
+            bar.update(-size())
+            os.remove(part)
+        if failures >= MAX_TRIES:
+            raise DownloadError(f"{url}: giving up after {failures} failed attempts in a row "
+                                f"(last: {error})")
+        time.sleep(min(BACKOFF * 2 ** (failures - 1), 60))
+
+
+def download_shards(data_dir, train_shards=NUM_TRAIN_SHARDS, workers=4, base_url=BASE_URL):
+    """Fetch the val shard and the first `train_shards` train shards into data_dir, in parallel.
+    Files already present with a valid header and size are skipped without any request."""
+    if not 0 <= train_shards <= NUM_TRAIN_SHARDS:
+        raise ValueError(f"--train_shards {train_shards}: the dataset has 0 to {NUM_TRAIN_SHARDS}")
+    if workers < 1:
+        raise ValueError(f"--workers {workers}: need at least 1")
+    if not base_url.startswith(("http://", "https://")):
+        raise ValueError(f"--base_url {base_url}: expected an http:// or https:// URL")
+    os.makedirs(data_dir, exist_ok=True)
+    todo = []
+    for name in shard_names(train_shards):
+        path = os.path.join(data_dir, name)
+        if os.path.exists(path):
+            try:
+                read_header(path)
+                continue
+            except ValueError as e:
+                print(f"{e}; downloading it again")
+        todo.append(name)
+    skipped = train_shards + 1 - len(todo)
+    t0, stop = time.time(), threading.Event()
+    bar = _Bar(desc="download")
+    try:
+        with ThreadPoolExecutor(workers) as pool:
+            jobs = [pool.submit(download_file, f"{base_url.rstrip('/')}/{name}",
+                                os.path.join(data_dir, name), bar, stop) for name in todo]
+            try:
+                for job in as_completed(jobs):
+                    job.result()
+            except BaseException:
+                stop.set()  # the other threads stop at their next chunk; .part files stay to resume
+                pool.shutdown(cancel_futures=True)
+                raise
+    finally:
+        bar.bar.close()
+    nbytes, dt = sum(os.path.getsize(os.path.join(data_dir, n)) for n in todo), time.time() - t0
+    print(f"downloaded {len(todo)} files ({nbytes / 1e6:,.1f} MB in {dt:.1f}s, "
+          f"{nbytes / 1e6 / max(dt, 1e-9):,.1f} MB/s); {skipped} already present; in {data_dir}")
+    return {"downloaded": len(todo), "skipped": skipped, "bytes": nbytes, "seconds": dt}
+
+
+# ----------------------------------------------------------------------------------------------
+# Tokenising raw text
+
+INPUT_TYPES = (".txt", ".jsonl", ".jsonl.gz")
+BATCH_CHARS = 1 << 20  # characters of text per task sent to a worker
+
+
+def check_inputs(paths):
+    """Fail before any work on a missing, unreadable, empty or unknown input file."""
+    for p in paths:
+        if not str(p).endswith(INPUT_TYPES):
+            raise ValueError(f"{p}: unknown input type, expected one of {', '.join(INPUT_TYPES)}")
+        if not os.path.exists(p):
+            raise FileNotFoundError(f"{p}: no such file")
+        if not os.path.isfile(p):
+            raise ValueError(f"{p}: not a regular file")
+        try:
+            with open(p, "rb") as f:
+                empty = not f.read(1)
+        except OSError as e:
+            raise ValueError(f"{p}: unreadable ({e.strerror})") from None
+        if empty:
+            raise ValueError(f"{p}: empty file")
+
+
+def read_documents(paths):
+    """Yield documents in order: a .txt file is one document; each .jsonl(.gz) line has a "text"."""
+    for p in map(str, paths):
+        n = 0
+        try:
+            if p.endswith(".txt"):
+                with open(p, encoding="utf-8") as f:
+                    text = f.read()
+                n = 1
+                yield text
+                continue
+            with (gzip.open if p.endswith(".gz") else open)(p, "rt", encoding="utf-8") as f:
+                for lineno, line in enumerate(f, 1):
+                    if not line.strip():
+                        continue
+                    try:
+                        doc = json.loads(line)
+                    except json.JSONDecodeError as e:
+                        raise ValueError(f"{p}:{lineno}: not valid JSON ({e.msg})") from None
+                    if not isinstance(doc, dict) or not isinstance(doc.get("text"), str):
+                        raise ValueError(f"{p}:{lineno}: expected a JSON object with a \"text\" string")
+                    n += 1
+                    yield doc["text"]
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{p}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+        except (OSError, EOFError) as e:  # gzip.BadGzipFile is an OSError
+            raise ValueError(f"{p}: unreadable ({e})") from None
+        if n == 0:
+            raise ValueError(f"{p}: no documents in it")
+
+
+_enc = None  # the encoding of this (worker) process
+
+
+def _init_worker(tokenizer):
+    # each worker builds its own encoding: tiktoken Encoding objects are not meant to be pickled
+    global _enc
+    _enc = load_encoding(tokenizer)
+
+
+def _encode(texts):
+    """Tokens of a batch of documents, each <|endoftext|> then the document (special-token text
+    inside a document is plain text). One array per batch: pickling per document costs more."""
+    ids = []
+    for text in texts:
+        ids.append(_enc.eot_token)
+        ids.extend(_enc.encode_ordinary(text))
+    return np.array(ids, dtype=np.uint16), len(texts)
+
+
+def _batches(docs):
+    """Group documents into batches of about BATCH_CHARS characters (a worker's unit of work)."""
+    batch, size = [], 0
+    for doc in docs:
+        batch.append(doc)
+        size += len(doc)
+        if size >= BATCH_CHARS:
+            yield batch
+            batch, size = [], 0
+    if batch:
+        yield batch
+
+
+class _ShardWriter:
+    """Cuts the token stream into shards: the first min(val_tokens, total // 10) tokens go to the
+    val shard, the rest to train shards of shard_tokens. The val size is only known once the
+    stream reaches 10*val_tokens tokens (or ends), so tokens are held in memory until then."""
+
+    def __init__(self, out_dir, name, shard_tokens, val_tokens):
+        self.out_dir, self.name = out_dir, name
+        self.shard_tokens, self.val_tokens = shard_tokens, val_tokens
+        self.pending, self.n_pending, self.total, self.n_val, self.files = [], 0, 0, None, []
+
+    def _take(self, n):
+        buf = np.concatenate(self.pending) if len(self.pending) > 1 else self.pending[0]
+        self.pending, self.n_pending = [buf[n:]], len(buf) - n
+        return buf[:n]
+
+    def _write(self, split, index, tokens):
+        path = os.path.join(self.out_dir, f"{self.name}_{split}_{index:06d}.bin")
+        write_shard(path, tokens)
+        self.files.append(path)
+
+    def _flush(self, final):
+        while self.n_pending >= self.shard_tokens or (final and self.n_pending):
+            self._write("train", len(self.files), self._take(min(self.shard_tokens, self.n_pending)))
+
+    def _write_val(self, n):
+        if n == 0:
+            raise ValueError(f"only {self.total} tokens in the inputs: too little text for a "
+                             f"validation shard (a tenth of the tokens) and a train shard")
+        self.n_val = n
+        self._write("val", 0, self._take(n))
+
+    def add(self, tokens):
+        self.pending.append(tokens)
+        self.n_pending += len(tokens)
+        self.total += len(tokens)
+        if self.n_val is None and self.total >= 10 * self.val_tokens:
+            self._write_val(self.val_tokens)
+        if self.n_val is not None:
+            self._flush(final=False)
+
+    def finish(self):
+        if self.n_val is None:
+            self._write_val(self.total // 10)
+        self._flush(final=True)
+        return self.files
+
+
+def tokenize(paths, data_dir, name=None, shard_tokens=10**8, val_tokens=10**7, workers=4,
+             tokenizer=None):
+    """Tokenise text files into data_dir/<name>_val_000000.bin and <name>_train_000001.bin, ...
+    (name defaults to data_dir's basename). Byte-identical output for any number of workers."""
+    data_dir = str(data_dir)
+    name = name or os.path.basename(os.path.abspath(data_dir))
+    # the readers find shards by '*_train_*.bin' / '*_val_*.bin': the name must not confuse them
+    if not name or "/" in name or "_train_" in name + "_" or "_val_" in name + "_":
+        raise ValueError(f"--name {name!r}: must be a plain file name without '_train_' or '_val_'")
+    for label, v in (("--shard_tokens", shard_tokens), ("--val_tokens", val_tokens),
+                     ("--workers", workers)):
+        if v < 1:
+            raise ValueError(f"{label} {v}: must be at least 1")
+    if shard_tokens > 2**31 - 1:
+        raise ValueError(f"--shard_tokens {shard_tokens}: a shard holds at most 2**31 - 1 tokens")
+    check_inputs(paths)
+    prefix = os.path.join(glob.escape(data_dir), glob.escape(name))
+    existing = sorted(glob.glob(f"{prefix}_train_*.bin") + glob.glob(f"{prefix}_val_*.bin"))
+    if existing:
+        raise ValueError(f"{data_dir}: already holds {name}_*.bin shards "
+                         f"({os.path.basename(existing[0])}, ...); remove them or choose another --name")
+    try:  # in the main process too: a bad --tokenizer fails right here, before any work
+        enc = load_encoding(tokenizer)
+    except (OSError, requests.RequestException) as e:  # tiktoken fetches 'gpt2' on first use
+        raise ValueError(f"tiktoken could not fetch its gpt2 encoding ({type(e).__name__}); offline, "
+                         f"pass --tokenizer PATH to a GPT-2 .tiktoken ranks file") from None
+    if enc.n_vocab > 2**16:
+        raise ValueError(f"{tokenizer}: {enc.n_vocab} tokens do not fit the uint16 shard format")
+
+    os.makedirs(data_dir, exist_ok=True)
+    stage = tempfile.mkdtemp(prefix=f".{name}.", dir=data_dir)  # shards appear only if all succeeds
+    t0, ndocs, pool, bar = time.time(), 0, None, None
+    try:
+        if workers > 1:  # forked before tqdm starts its monitor thread: no lock is copied held
+            pool = multiprocessing.Pool(workers, initializer=_init_worker, initargs=(tokenizer,))
+        else:  # no pool: the same code in this process, the same bytes
+            _init_worker(tokenizer)
+        bar = tqdm(unit="tok", unit_scale=True, desc="tokenize")
+        writer = _ShardWriter(stage, name, shard_tokens, val_tokens)
+        batches = _batches(read_documents(paths))
+        # imap returns the batches in input order, whichever worker finishes first
+        results = pool.imap(_encode, batches) if pool else map(_encode, batches)
+        for tokens, n in results:
+            writer.add(tokens)
+            bar.update(len(tokens))
+            ndocs += n
+        files = writer.finish()
+        for f in files:
+            os.replace(f, os.path.join(data_dir, os.path.basename(f)))
+    finally:
+        if bar is not None:
+            bar.close()
+        if pool is not None:
+            pool.terminate()
+        shutil.rmtree(stage, ignore_errors=True)
+    dt = time.time() - t0
+    print(f"{ndocs:,} documents, {writer.total:,} tokens ({writer.n_val:,} val, "
+          f"{writer.total - writer.n_val:,} train in {len(files) - 1} shard(s)) in {dt:.1f}s: "
+          f"{writer.total / max(dt, 1e-9):,.0f} tokens/s; shards in {data_dir}")
+    return {"documents": ndocs, "tokens": writer.total, "val_tokens": writer.n_val,
+            "files": [os.path.join(data_dir, os.path.basename(f)) for f in files], "seconds": dt}
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description="Download FineWeb-Edu 10B token shards, or tokenise "
+                                            "your own text into the same shard format.")
+    p.add_argument("--data_dir", help="where the shards go (download default: data/finewebedu10B)")
+    p.add_argument("--workers", type=int, default=4, help="parallel downloads / tokenizer processes")
+    d = p.add_argument_group("download (the default mode)")
+    d.add_argument("--train_shards", type=int,
+                   help=f"train shards to fetch (default all {NUM_TRAIN_SHARDS})")
+    d.add_argument("--base_url", help=f"where the files are (default {BASE_URL})")
+    t = p.add_argument_group("tokenize")
+    t.add_argument("--tokenize", nargs="+", metavar="PATH", help=".txt, .jsonl or .jsonl.gz files")
+    t.add_argument("--name", help="shard name prefix (default: the basename of --data_dir)")
+    t.add_argument("--shard_tokens", type=int, help="tokens per train shard (default 100M)")
+    t.add_argument("--val_tokens", type=int,
+                   help="tokens for the val shard (default 10M, at most a tenth)")
+    t.add_argument("--tokenizer", metavar="PATH.tiktoken",
+                   help="GPT-2 ranks file (default: tiktoken's gpt2)")
+    args = p.parse_args(argv)
+    tok_only = [o for o in ("name", "shard_tokens", "val_tokens", "tokenizer")
+                if getattr(args, o) is not None]
+    dl_only = [o for o in ("train_shards", "base_url") if getattr(args, o) is not None]
+    if args.tokenize and dl_only:
+        p.error(f"--{dl_only[0]} is for downloads, not --tokenize")
+    if not args.tokenize and tok_only:
+        p.error(f"--{tok_only[0]} only applies with --tokenize")
+    if args.tokenize and not args.data_dir:
+        p.error("--tokenize needs --data_dir (where to write the shards)")
+    try:
+        if args.tokenize:
+            tokenize(args.tokenize, args.data_dir, name=args.name,
+                     shard_tokens=10**8 if args.shard_tokens is None else args.shard_tokens,
+                     val_tokens=10**7 if args.val_tokens is None else args.val_tokens,
+                     workers=args.workers, tokenizer=args.tokenizer)
+        else:
+            download_shards(args.data_dir or "data/finewebedu10B",
+                            NUM_TRAIN_SHARDS if args.train_shards is None else args.train_shards,
+                            args.workers, args.base_url or BASE_URL)
+    except (ValueError, OSError, DownloadError) as e:
+        raise SystemExit(f"prepare.py: error: {e}")
+    except KeyboardInterrupt:
+        raise SystemExit("prepare.py: interrupted; nothing was written" if args.tokenize else
+                         "prepare.py: interrupted; run the same command again to resume the downloads")
+
+
+if __name__ == "__main__":
+    main()
