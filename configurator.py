@@ -1,7 +1,8 @@
 """
 nanoGPT-style configuration: `python train.py configs/dyn_exo.py configs/tiny.py --max_steps=100`.
 Config files are plain Python assignments (`n_layer = 29`), applied in the order given, then the
-`--key=value` overrides. Every key must already have a default, and keeps its type.
+`--key=value` overrides. Every key must already have a default, and keeps its type
+(a default of None means "auto": any literal is accepted and the program checks it).
 """
 import ast
 import difflib
@@ -14,6 +15,8 @@ def _check(key, value, defaults, source):
         close = difflib.get_close_matches(key, defaults, n=3)
         hint = f" (did you mean {' or '.join(close)}?)" if close else ""
         raise ValueError(f"{source}: unknown key {key!r}{hint}; valid keys: {', '.join(sorted(defaults))}")
+    if defaults[key] is None:  # "auto" keys accept any literal; the program checks their values
+        return value
     expected = type(defaults[key])
     if expected is float and type(value) is int:
         value = float(value)

@@ -227,6 +227,13 @@ class GPT(nn.Module):
     def num_params(self):
         return sum(p.numel() for p in self.parameters())
 
+    def flops_per_token(self, seq_len):
+        """Training FLOPs per token: 6 per matmul weight (forward + backward) plus attention scores
+        (12·L·C·T, PaLM's convention, no causal discount). Embedding lookups and elementwise work
+        (norms, mixing, gates) are left out."""
+        matmul = sum(p.numel() for n, p in self.named_parameters() if p.ndim == 2 and n != "wte.weight")
+        return 6 * matmul + 12 * self.config.n_layer * self.config.n_embd * seq_len
+
     def _norm_anchors(self, anchors):  # RMS-normalise the anchors that have their own norm
         return {s: self.anchor_norms[s](a) if s in self.anchor_norms else a for s, a in anchors.items()}
 

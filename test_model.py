@@ -433,3 +433,16 @@ def test_readme_variant_table_is_true():
         with torch.device("meta"):
             model = GPT(file_config(os.path.join(CONFIG_DIR, name + ".py")))
         assert model.num_params() == int(count.replace(",", "")), name
+
+
+@pytest.mark.parametrize("name", ["gated", "dyn_exo", "baseline"])
+def test_flops_per_token_follows_the_matmul_count(name):
+    c = file_config(os.path.join(CONFIG_DIR, name + ".py"))
+    C, L, V, T = c.n_embd, c.n_layer, c.vocab_size, 2048
+    matmul = L * (11 if c.gate else 10) * C * C + V * C  # blocks and lm_head; wte is a lookup
+    if c.anchor == "exo":
+        matmul += len(c.mix) * C * C
+    if c.dynamic:
+        matmul += L * (16 * C + 16 * 2 * len(c.mix))
+    with torch.device("meta"):
+        assert GPT(c).flops_per_token(T) == 6 * matmul + 12 * L * C * T

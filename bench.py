@@ -1,0 +1,121 @@
+"""
+Time training steps (forward + backward + Muon/AdamW) of several variants side by side, in one process,
+interleaved so that they share the machine's ups and downs, and compare with their FLOP ratios:
+
+    python bench.py configs/gated.py configs/exoformer_e.py configs/dyn_exo.py --block_size=256 --batch_size=8
+    python bench.py configs/gated.py configs/dyn_exo.py --n_layer=4 --n_embd=128 --n_head=4   # CPU size
+
+Each positional argument is one model; every --key=value (any train.py or model key, plus the bench
+keys below) applies to all of them. The first model is the reference of the ratio columns.
+"""
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+from configurator import load_config
+from model import GPT, GPTConfig
+from train import ALL_DEFAULTS, MODEL_KEYS, configure_optimizers, optimizer_step, setup
+
+BENCH_DEFAULTS = dict(
+    steps=5,  # timed steps per model per round
+    rounds=3,  # rounds of interleaving; the median step time over all rounds is reported
+    warmup=2,  # untimed steps per model first (compilation, allocator)
+)
+
+
+def peak_memory_reset(device):
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        return torch.cuda.memory_allocated()
+    try:  # Linux: writing 5 to clear_refs resets the process's peak resident set size (VmHWM)
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return _vm("VmRSS")
+    except OSError:
+        return None
+
+
+def _vm(field):
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))
+
+
+def peak_memory(device, base):
+    """Bytes used at peak since peak_memory_reset, above what was in use then (None if unknown)."""
+    if base is None:
+        return None
+    if device.startswith("cuda"):
+        return torch.cuda.max_memory_allocated() - base
+    return _vm("VmHWM") - base
+
+
+def main(argv):
+    files = [a for a in argv if not a.startswith("--")]
+    overrides = [a for a in argv if a.startswith("--")]
+    if not files:
+        sys.exit(__doc__)
+    defaults = {**ALL_DEFAULTS, **BENCH_DEFAULTS}
+    try:
+        cfgs = [load_config([f] + overrides, defaults) for f in files]
+        _, _, device, autocast, use_compile = setup(cfgs[0])
+        models = [GPT(GPTConfig(**{k: c[k] for k in MODEL_KEYS})) for c in cfgs]  # checks every config first
+    except (ValueError, FileNotFoundError) as e:
+        sys.exit(f"bench.py: error: {e}")
+    c0 = cfgs[0]
+    B, T = c0["batch_size"], c0["block_size"]
+    print(f"{device}, {c0['dtype'] or 'auto'} dtype, compile={use_compile}, batch {B} x {T} tokens, "
+          f"{c0['rounds']} rounds x {c0['steps']} steps (+{c0['warmup']} warmup)")
+    g = torch.Generator().manual_seed(0)
+    data = torch.randint(0, c0["vocab_size"], (B, T + 1), generator=g).to(device)
+    x, y = data[:, :-1], data[:, 1:]
+
+    runs = []
+    for f, cfg, model in zip(files, cfgs, models):  # built one after another: peak memory is per model
+        base = peak_memory_reset(device)
+        torch.manual_seed(cfg["seed"])
+        model = model.to(device)
+        optimizers = configure_optimizers(model, cfg)
+        run = dict(name=os.path.basename(f)[:-3], model=model, cfg=cfg, optimizers=optimizers, times=[],
+                   fwd=torch.compile(model) if use_compile else model)
+        for _ in range(cfg["warmup"]):
+            step(run, x, y, autocast, device)
+        run["memory"] = peak_memory(device, base)
+        runs.append(run)
+    for _ in range(c0["rounds"]):
+        for run in runs:
+            for _ in range(run["cfg"]["steps"]):
+                run["times"].append(step(run, x, y, autocast, device))
+
+    ref = runs[0]
+    ref_ms = statistics.median(ref["times"]) * 1000
+    ref_flops = ref["model"].flops_per_token(T)
+    print(f"\n{'config':<22}{'params':>14}{'ms/step':>10}{'tok/s':>12}{'peak mem':>11}{'time ratio':>12}"
+          f"{'FLOP ratio':>12}")
+    for run in runs:
+        ms = statistics.median(run["times"]) * 1000
+        mem = "-" if run["memory"] is None else f"{run['memory'] / 2**30:.2f} GiB"
+        print(f"{run['name']:<22}{run['model'].num_params():>14,}{ms:>10.1f}{B * T / ms * 1000:>12,.0f}"
+              f"{mem:>11}{ms / ref_ms:>12.4f}{run['model'].flops_per_token(T) / ref_flops:>12.4f}")
+    return runs
+
+
+def step(run, x, y, autocast, device):
+    """One training step (as in train.py without accumulation); returns its wall time in seconds."""
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    with autocast:
+        _, loss, z = run["fwd"](x, y, with_z=True)
+    (loss + run["cfg"]["z_loss"] * z).backward()
+    optimizer_step(run["model"], run["optimizers"], run["cfg"])
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+    return time.perf_counter() - t0
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

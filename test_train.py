@@ -1,0 +1,392 @@
+"""Tests of train.py: Muon, schedules, DDP equivalence, exact resume, checkpoints, errors, end to end."""
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import train
+from data import write_shard
+from train import DEFAULTS, Muon, load_checkpoint, lr_multiplier, muon_momentum, polar_express
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+VOCAB = 256
+# a small model and batch that train in well under a second per step on a CPU
+SMALL = ["configs/dyn_exo.py", "--n_layer=2", "--n_embd=64", "--n_head=2", f"--vocab_size={VOCAB}",
+         "--block_size=32", "--batch_size=2", "--total_batch_size=128", "--warmup_steps=2",
+         "--eval_tokens=256", "--log_interval=1", "--eval_interval=100", "--ckpt_interval=100",
+         "--muon_momentum_steps=2"]
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    """Shards of a learnable toy language: 40 random 'sentences' of 12 tokens, drawn at random."""
+    rng = np.random.default_rng(0)
+    sentences = rng.integers(1, VOCAB, size=(40, 12))
+    tokens = np.concatenate([np.concatenate([[0], sentences[i]]) for i in rng.integers(0, 40, size=3000)])
+    d = tmp_path_factory.mktemp("shards")
+    write_shard(d / "toy_val_000000.bin", tokens[:4000])
+    write_shard(d / "toy_train_000001.bin", tokens[4000:22000])
+    write_shard(d / "toy_train_000002.bin", tokens[22000:])
+    return str(d)
+
+
+def run_cli(args, check=True, cwd=ROOT):
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), *args], cwd=cwd, capture_output=True,
+                       text=True)
+    if check and r.returncode:
+        raise AssertionError(f"train.py failed:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
+    return r
+
+
+def read_log(out_dir, configs=False):
+    """The records of log.jsonl; with configs=True only the configuration lines of each (re)start."""
+    log = [json.loads(line) for line in open(os.path.join(out_dir, "log.jsonl"))]
+    return [e for e in log if ("config" in e) == configs]
+
+
+def cfg(**kw):
+    return {**DEFAULTS, **kw}
+
+
+# ----------------------------------------------------------------------------- Muon
+
+def test_polar_express_gives_singular_values_near_one():
+    torch.manual_seed(0)
+    for shape in [(64, 32), (32, 96), (3, 48, 16)]:
+        G = torch.randn(*shape)
+        s = torch.linalg.svdvals(polar_express(G).float())
+        assert s.min() > 0.8 and s.max() < 1.2, (shape, s.aminmax())
+        U, _, Vh = torch.linalg.svd(G, full_matrices=False)  # the exact polar factor U V^T
+        assert torch.nn.functional.cosine_similarity(polar_express(G).float().flatten(), (U @ Vh).flatten(),
+                                                     dim=0) > 0.98
+
+
+def muon_step(params, grads, weight_decay, lr=0.05):
+    """One Muon step on copies of params with the given gradients; returns the new values."""
+    ps = [torch.nn.Parameter(p.clone()) for p in params]
+    for p, g in zip(ps, grads):
+        p.grad = g.clone()
+    Muon(ps, lr=lr, momentum=0.9, beta2=0.95, weight_decay=weight_decay).step()
+    return [p.detach() for p in ps]
+
+
+def test_muon_matches_the_spec_written_out():
+    """Three steps of Muon on one tall and one wide matrix against SPEC §4 line by line."""
+    torch.manual_seed(0)
+    lr, mu, beta2, wd = 0.05, 0.9, 0.95, 0.1
+    for shape in [(24, 8), (8, 24)]:
+        p0, grads = torch.randn(shape), [torch.randn(shape) for _ in range(3)]
+        p, buf = p0.clone(), torch.zeros(shape)
+        rows, cols = shape
+        v = torch.zeros(rows, 1) if rows >= cols else torch.zeros(1, cols)
+        for g in grads:
+            buf = buf.lerp(g, 1 - mu)  # momentum, EMA form
+            o = polar_express(g.lerp(buf, mu)).float()  # Nesterov, then orthogonalise
+            v = beta2 * v + (1 - beta2) * o.pow(2).mean(dim=1 if rows >= cols else 0, keepdim=True)
+            n = o / v.clamp_min(1e-10).sqrt()
+            n = n * (o.norm() / n.norm()) * max(1, rows / cols) ** 0.5
+            p = p - lr * wd * (n * p >= 0) * p - lr * n
+        param = torch.nn.Parameter(p0.clone())
+        opt = Muon([param], lr=lr, momentum=mu, beta2=beta2, weight_decay=wd)
+        for g in grads:
+            param.grad = g.clone()
+            opt.step()
+        torch.testing.assert_close(param.detach(), p, rtol=1e-5, atol=1e-6)
+
+
+def test_cautious_weight_decay_skips_entries_whose_update_opposes_the_weight():
+    torch.manual_seed(0)
+    params, grads = [torch.randn(16, 8), torch.randn(8, 24)], [torch.randn(16, 8), torch.randn(8, 24)]
+    lr, wd = 0.05, 0.1
+    plain = muon_step(params, grads, weight_decay=0.0, lr=lr)
+    decayed = muon_step(params, grads, weight_decay=wd, lr=lr)
+    for p, a, b in zip(params, plain, decayed):
+        update = (p - a) / lr  # p <- p - lr * update
+        decay = a - b  # what weight decay took away on top
+        clear = update.abs() > 1e-4  # the sign of a tiny update is lost to rounding in p - a
+        same_sign, opposed = clear & (update * p > 0), clear & (update * p < 0)
+        assert same_sign.sum() > 10 and opposed.sum() > 10  # both cases occur
+        torch.testing.assert_close(decay[same_sign], lr * wd * p[same_sign])
+        assert torch.all(decay[opposed] == 0)
+
+
+def test_muon_update_shape_scale():
+    """Tall matrices get sqrt(rows/cols) larger updates; wide ones are not scaled down."""
+    torch.manual_seed(0)
+    for shape, scale in [((64, 16), 2.0), ((16, 64), 1.0), ((32, 32), 1.0)]:
+        p, g = torch.zeros(shape), torch.randn(shape)
+        (new,) = muon_step([p], [g], weight_decay=0.0, lr=1.0)
+        rms = new.pow(2).mean().sqrt().item()  # an orthogonal update has RMS 1/sqrt(max(rows, cols))
+        assert abs(rms * max(shape) ** 0.5 / scale - 1) < 0.15, (shape, rms)
+
+
+def test_schedules_at_chosen_steps():
+    c = cfg(max_steps=38_147)  # the paper's run: warmup 1000, decay from step 30517.6 to the end
+    assert lr_multiplier(0, c) == pytest.approx(1 / 1000)
+    assert lr_multiplier(499, c) == pytest.approx(0.5)
+    assert lr_multiplier(999, c) == 1.0 and lr_multiplier(20_000, c) == 1.0
+    assert lr_multiplier(30_517, c) == 1.0
+    assert lr_multiplier(34_332, c) == pytest.approx(1 - 0.9 * (34_332 - 30_517.6) / 7_629.4)
+    assert lr_multiplier(38_146, c) == pytest.approx(0.1 + 0.9 / 7_629.4)
+    assert muon_momentum(0, c) == pytest.approx(0.85)
+    assert muon_momentum(50, c) == pytest.approx(0.90)
+    assert muon_momentum(100, c) == muon_momentum(20_000, c) == pytest.approx(0.95)
+    assert muon_momentum(38_147 - 50, c) == pytest.approx(0.90)
+    assert muon_momentum(38_146, c) == pytest.approx(0.851)
+
+
+def _sharded_muon_worker(rank, port, shapes, result_path):
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    torch.manual_seed(0)  # the same parameters and gradients on both ranks, as after DDP's all-reduce
+    params = [torch.nn.Parameter(torch.randn(s)) for s in shapes]
+    steps = [[torch.randn(s) for s in shapes] for _ in range(3)]
+    opt = Muon(params, lr=0.05, momentum=0.9, beta2=0.95, weight_decay=0.1, rank=rank, world_size=2)
+    for grads in steps:
+        for p, g in zip(params, grads):
+            p.grad = g
+        opt.step()
+    torch.save([p.detach() for p in params], f"{result_path}.{rank}")
+    dist.destroy_process_group()
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_sharded_muon_equals_unsharded(tmp_path):
+    # three matrices of one shape (uneven split over 2 ranks), two of another, one alone
+    shapes = [(16, 8), (16, 8), (16, 8), (8, 24), (8, 24), (4, 4)]
+    mp.spawn(_sharded_muon_worker, args=(free_port(), shapes, str(tmp_path / "r")), nprocs=2)
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(s)) for s in shapes]
+    steps = [[torch.randn(s) for s in shapes] for _ in range(3)]
+    opt = Muon(params, lr=0.05, momentum=0.9, beta2=0.95, weight_decay=0.1)
+    for grads in steps:
+        for p, g in zip(params, grads):
+            p.grad = g
+        opt.step()
+    for rank in (0, 1):
+        sharded = torch.load(tmp_path / f"r.{rank}", weights_only=True)
+        for a, b in zip(sharded, params):
+            torch.testing.assert_close(a, b.detach(), rtol=0, atol=1e-6)
+
+
+def test_every_parameter_in_exactly_one_optimizer_group():
+    from model import GPT, GPTConfig
+    model = GPT(GPTConfig(n_layer=2, n_embd=32, n_head=2, vocab_size=64, block_size=16, gate=True,
+                          anchor="exo", mix="qkvg", granularity="elementwise", anchor_norm=True, dynamic=True))
+    muon, adam = train.configure_optimizers(model, DEFAULTS)
+    names = {id(p): n for n, p in model.named_parameters()}
+    muon_names = {names[id(p)] for g in muon.param_groups for p in g["params"]}
+    adam_names = {names[id(p)] for g in adam.param_groups for p in g["params"]}
+    assert muon_names | adam_names == set(names.values()) and not muon_names & adam_names
+    assert "anchor_proj.weight" in muon_names and "blocks.1.attn.dyn.fc2.weight" in muon_names
+    assert {"wte.weight", "lm_head.weight", "blocks.0.attn.lam.q1", "blocks.0.attn.dyn.fc2.bias",
+            "anchor_norms.v.weight", "blocks.1.attn.q_norm.weight"} <= adam_names
+
+
+# ----------------------------------------------------------------------------- DDP
+
+def test_ddp_two_processes_equal_one_process_with_twice_the_accumulation(data_dir, tmp_path):
+    common = SMALL + [f"--data_dir={data_dir}", "--max_steps=4"]
+    one = str(tmp_path / "one")
+    run_cli(common + [f"--out_dir={one}"])  # 1 process: 128 / (2 x 32) = 2 micro-steps
+    two = str(tmp_path / "two")
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                        "train.py", *common, f"--out_dir={two}"], cwd=ROOT, capture_output=True, text=True,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "2 process(es) x 1 micro-step(s)" in r.stdout
+    a, b = load_checkpoint(f"{one}/ckpt.pt"), load_checkpoint(f"{two}/ckpt.pt")
+    assert a["step"] == b["step"] == 4
+    for k in a["model"]:
+        torch.testing.assert_close(a["model"][k], b["model"][k], rtol=1e-3, atol=2e-4, msg=k)
+    la, lb = read_log(one), read_log(two)
+    for ea, eb in zip(la, lb):
+        assert ea["step"] == eb["step"]
+        for key in ("train_loss", "val_loss"):
+            if key in ea:
+                assert ea[key] == pytest.approx(eb[key], rel=1e-4), (key, ea, eb)
+
+
+# ----------------------------------------------------------------------------- resume
+
+class Stop(Exception):
+    pass
+
+
+def test_resume_is_bitwise_identical(data_dir, tmp_path, monkeypatch):
+    common = SMALL + [f"--data_dir={data_dir}", "--max_steps=6", "--ckpt_interval=3"]
+    straight = str(tmp_path / "straight")
+    train.main(common + [f"--out_dir={straight}"])
+    # the second run stops right after its step-3 checkpoint, as if killed there, then resumes
+    save = train.save_checkpoint
+
+    def save_then_stop(path, state):
+        save(path, state)
+        if state["step"] == 3:
+            raise Stop
+
+    monkeypatch.setattr(train, "save_checkpoint", save_then_stop)
+    resumed = str(tmp_path / "resumed")
+    with pytest.raises(Stop):
+        train.main(common + [f"--out_dir={resumed}"])
+    assert load_checkpoint(f"{resumed}/ckpt.pt")["step"] == 3
+    monkeypatch.setattr(train, "save_checkpoint", save)
+    train.main(common + [f"--out_dir={resumed}", "--init_from=resume"])
+    a, b = load_checkpoint(f"{straight}/ckpt.pt"), load_checkpoint(f"{resumed}/ckpt.pt")
+    for k in a["model"]:
+        assert torch.equal(a["model"][k], b["model"][k]), k
+    for sa, sb in zip(a["optimizers"], b["optimizers"]):
+        for (ka, va), (kb, vb) in zip(sa["state"].items(), sb["state"].items()):
+            assert all(torch.equal(va[n], vb[n]) for n in va), (ka, kb)
+    assert a["loader"] == b["loader"]
+    strip = lambda log: [{k: v for k, v in e.items() if k not in ("step_ms", "tok_per_s")} for e in log]
+    assert strip(read_log(straight)) == strip(read_log(resumed))
+    assert [e["step"] for e in read_log(resumed)] == list(range(7))
+    assert [e["step"] for e in read_log(resumed, configs=True)] == [0, 3]
+    assert read_log(resumed, configs=True)[1]["config"]["init_from"] == "resume"
+
+
+def test_sigkill_mid_run_resumes_from_last_checkpoint_and_finishes(data_dir, tmp_path):
+    common = SMALL + [f"--data_dir={data_dir}", "--max_steps=40", "--ckpt_interval=5"]
+    straight = str(tmp_path / "straight")
+    run_cli(common + [f"--out_dir={straight}"])
+    out = str(tmp_path / "killed")
+    proc = subprocess.Popen([sys.executable, "train.py", *common, f"--out_dir={out}"], cwd=ROOT,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    ckpt = os.path.join(out, "ckpt.pt")
+    deadline = time.time() + 120
+    while not os.path.exists(ckpt) and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.3)  # somewhere after the first checkpoint, possibly in the middle of writing another
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    killed_at = load_checkpoint(ckpt)["step"]
+    assert 5 <= killed_at < 40, killed_at
+    r = run_cli(common + [f"--out_dir={out}", "--init_from=resume"])
+    assert f"resuming from {ckpt} at step {killed_at}" in r.stdout
+    a, b = load_checkpoint(f"{straight}/ckpt.pt"), load_checkpoint(ckpt)
+    assert b["step"] == 40
+    for k in a["model"]:
+        assert torch.equal(a["model"][k], b["model"][k]), k
+    assert [e["step"] for e in read_log(out)] == [e["step"] for e in read_log(straight)]
+
+
+# ----------------------------------------------------------------------------- checkpoints and errors
+
+class Boom:
+    def __reduce__(self):
+        return (os.system, ("touch PWNED",))
+
+
+def test_checkpoint_with_pickled_callable_is_refused(tmp_path):
+    out = tmp_path / "evil"
+    out.mkdir()
+    torch.save({"model": {}, "model_config": {}, "payload": Boom()}, out / "ckpt.pt")
+    with pytest.raises(ValueError, match="ckpt.pt: not a loadable checkpoint"):
+        load_checkpoint(str(out / "ckpt.pt"))
+    r = run_cli(["--init_from=resume", f"--out_dir={out}"], check=False, cwd=tmp_path)
+    assert r.returncode != 0 and "not a loadable checkpoint" in r.stderr
+    assert not (tmp_path / "PWNED").exists() and not os.path.exists(os.path.join(ROOT, "PWNED"))
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--n_layers=3"], "unknown key 'n_layers' (did you mean n_layer?)"),
+    (["--max_steps=ten"], "max_steps='ten' is str, expected int"),
+    (["--total_batch_size=100"], "total_batch_size=100: expected a multiple of batch_size x block_size"),
+    (["--init_from=latest"], "init_from='latest': expected 'scratch' or 'resume'"),
+    (["--anchor=exo"], "GPTConfig.mix='': anchor='exo'"),
+    (["--data_dir=/nonexistent/shards"], "/nonexistent/shards"),
+    (["--init_from=resume", "--out_dir=/nonexistent/out"], "/nonexistent/out/ckpt.pt: no checkpoint there"),
+])
+def test_bad_config_fails_before_training(data_dir, args, message, tmp_path):
+    base = [f"--data_dir={data_dir}", f"--out_dir={tmp_path / 'out'}", "--block_size=32", "--batch_size=2",
+            "--total_batch_size=128", "--n_layer=1", "--n_embd=32", "--n_head=2", "--vocab_size=256"]
+    r = run_cli(base + args, check=False)
+    assert r.returncode == 1, r.stdout + r.stderr
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("train.py: error:") and message in last, r.stderr
+    assert not (tmp_path / "out").exists()  # nothing was started
+
+
+def test_corrupt_shard_fails_before_training(data_dir, tmp_path):
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    for name in os.listdir(data_dir):
+        (bad / name).write_bytes(open(os.path.join(data_dir, name), "rb").read())
+    shard = bad / "toy_train_000002.bin"
+    shard.write_bytes(shard.read_bytes()[:-100])  # a truncated copy
+    r = run_cli(SMALL + [f"--data_dir={bad}", f"--out_dir={tmp_path / 'out'}"], check=False)
+    assert r.returncode == 1 and str(shard) in r.stderr.strip().splitlines()[-1]
+    assert not (tmp_path / "out").exists()
+
+
+def test_non_finite_loss_stops_and_keeps_last_checkpoint(data_dir, tmp_path, monkeypatch):
+    calls = {"n": 0}
+    forward = train.GPT.forward
+
+    def poisoned(self, idx, targets=None, with_z=False):
+        out = forward(self, idx, targets, with_z)
+        if self.training and targets is not None:
+            calls["n"] += 1
+            if calls["n"] > 2 * 3:  # 2 micro-steps per step: the 4th step's loss is NaN
+                return (out[0], out[1] * float("nan"), *out[2:])
+        return out
+
+    monkeypatch.setattr(train.GPT, "forward", poisoned)
+    out = str(tmp_path / "out")
+    with pytest.raises(SystemExit) as e:
+        train.main(SMALL + [f"--data_dir={data_dir}", f"--out_dir={out}", "--max_steps=10", "--ckpt_interval=2"])
+    assert "non-finite loss (nan) at step 4" in str(e.value) and "ckpt.pt" in str(e.value)
+    assert load_checkpoint(f"{out}/ckpt.pt")["step"] == 2
+
+
+# ----------------------------------------------------------------------------- end to end
+
+def test_end_to_end_tiny_dyn_exo(data_dir, tmp_path):
+    out = str(tmp_path / "out")
+    r = run_cli(["configs/dyn_exo.py", "configs/tiny.py", f"--data_dir={data_dir}", f"--out_dir={out}",
+                 f"--vocab_size={VOCAB}", "--block_size=64", "--batch_size=4", "--total_batch_size=512",
+                 "--max_steps=30", "--warmup_steps=5", "--eval_interval=15", "--eval_tokens=1024",
+                 "--log_interval=5", "--ckpt_interval=15"])
+    log = read_log(out)
+    val = [e["val_loss"] for e in log if "val_loss" in e]
+    assert [e["step"] for e in log if "val_loss" in e] == [0, 15, 30]
+    assert val[-1] < val[0] - 1.0, val
+    assert {"step", "train_loss", "lr", "tok_per_s", "grad_norm", "step_ms"} <= set(log[-1])
+    ckpt = load_checkpoint(f"{out}/ckpt.pt")
+    assert ckpt["step"] == 30 and ckpt["model_config"]["dynamic"] and ckpt["model_config"]["n_layer"] == 4
+    assert ckpt["config"]["max_steps"] == 30
+    assert "step 30/30" in r.stdout
+    # eval_only scores the checkpoint on the whole validation shard
+    r = run_cli(["configs/dyn_exo.py", "configs/tiny.py", f"--data_dir={data_dir}", f"--out_dir={out}",
+                 f"--vocab_size={VOCAB}", "--block_size=64", "--batch_size=4", "--total_batch_size=512",
+                 "--eval_only=True"])
+    whole = float(r.stdout.strip().splitlines()[-1].split("val loss ")[1].split()[0])
+    assert abs(whole - val[-1]) < 0.5
+
+
+def test_bench_prints_time_and_flop_ratios(capsys):
+    import bench
+    size = ["--n_layer=2", "--n_embd=64", "--n_head=2", f"--vocab_size={VOCAB}", "--block_size=32",
+            "--batch_size=2", "--steps=1", "--rounds=2", "--warmup=1"]
+    runs = bench.main(["configs/gated.py", "configs/dyn_exo.py"] + size)
+    out = capsys.readouterr().out
+    rows = {line.split()[0]: line.split() for line in out.splitlines() if line.startswith(("gated ", "dyn_exo "))}
+    assert set(rows) == {"gated", "dyn_exo"} and all(len(r["times"]) == 2 for r in runs)
+    assert rows["gated"][-2:] == ["1.0000", "1.0000"]  # the first config is the reference
+    flops = [r["model"].flops_per_token(32) for r in runs]
+    assert float(rows["dyn_exo"][-1]) == pytest.approx(flops[1] / flops[0], abs=1e-4) and flops[1] > flops[0]
+    assert rows["dyn_exo"][1] == f"{runs[1]['model'].num_params():,}"
