@@ -1,0 +1,473 @@
+"""
+Score a checkpoint on six multiple-choice tasks, 5-shot, exactly the way EleutherAI's
+lm-evaluation-harness (0.4.x, `simple_evaluate(num_fewshot=5)`) does, without depending on it:
+same data rows, same request strings, same few-shot draws, same acc / acc_norm.
+
+    python eval.py out/ckpt.pt                                  # all six tasks
+    python eval.py out/ckpt.pt --tasks piqa,arc_easy --limit 100 --out piqa_arc.json
+
+Data comes from the Hugging Face dataset-viewer JSON API and is cached as one JSON-lines file per
+split under --data_dir; a cached (or dropped-in) file is used as is, without any network access.
+"""
+import argparse
+import json
+import math
+import os
+import random
+import re
+import sys
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+import requests
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+# -----------------------------------------------------------------------------
+# The tasks: one small function per task turns a dataset row into (question, choices, gold)
+
+
+def arc(doc):
+    return "Question: " + doc["question"] + "\nAnswer:", doc["choices"]["text"], \
+        doc["choices"]["label"].index(doc["answerKey"])  # labels are A-E or 1-5, 3 to 5 choices
+
+
+def openbookqa(doc):
+    # the question stem verbatim; a few answer keys carry a leading space
+    return doc["question_stem"], doc["choices"]["text"], doc["choices"]["label"].index(doc["answerKey"].lstrip())
+
+
+def piqa(doc):
+    return "Question: " + doc["goal"] + "\nAnswer:", [doc["sol1"], doc["sol2"]], doc["label"]
+
+
+def hellaswag_pre(text):
+    """The harness's clean-up of HellaSwag's WikiHow markup: one pass of each step, in this order."""
+    text = text.strip()
+    text = text.replace(" [title]", ". ")
+    text = re.sub("\\[.*?\\]", "", text)
+    return text.replace("  ", " ")
+
+
+def hellaswag(doc):
+    ctx = doc["ctx_a"] + " " + doc["ctx_b"].capitalize()  # Python's capitalize lower-cases the rest
+    return hellaswag_pre(doc["activity_label"] + ": " + ctx), [hellaswag_pre(e) for e in doc["endings"]], \
+        int(doc["label"])
+
+
+def winogrande(doc):
+    """Partial evaluation: the question is the sentence up to the blank, each choice fills the blank,
+    and the scored continuation is the rest of the sentence (the same for both choices)."""
+    i = doc["sentence"].index("_")
+    return doc["sentence"][:i], [doc["option1"], doc["option2"]], 0 if doc["answer"] == "1" else 1
+
+
+def winogrande_rest(doc):
+    return doc["sentence"][doc["sentence"].index("_") + 1:].strip()
+
+
+@dataclass(frozen=True)
+class Task:
+    render: Callable  # row -> (question, choices, gold)
+    repo: str  # dataset on the Hugging Face hub
+    config: str
+    split: str  # the evaluated split ...
+    rows: int  # ... and its number of rows
+    pool_split: str  # the few-shot pool ...
+    pool_rows: int
+    fields: tuple  # keys every row must have
+    partial: bool = False  # WinoGrande: the choice goes into the context; acc only
+
+    @property
+    def extra_shot(self):
+        # The harness draws one extra shot, in case the evaluated doc is drawn, whenever the task
+        # has no split called "test": its `fewshot_split == test_split` is then None == None.
+        return self.split != "test"
+
+
+ARC = ("id", "question", "choices", "answerKey")
+TASKS = {
+    "arc_easy": Task(arc, "allenai/ai2_arc", "ARC-Easy", "test", 2376, "train", 2251, ARC),
+    "arc_challenge": Task(arc, "allenai/ai2_arc", "ARC-Challenge", "test", 1172, "train", 1119, ARC),
+    "hellaswag": Task(hellaswag, "Rowan/hellaswag", "default", "validation", 10042, "train", 39905,
+                      ("activity_label", "ctx_a", "ctx_b", "endings", "label")),
+    "openbookqa": Task(openbookqa, "allenai/openbookqa", "main", "test", 500, "train", 4957,
+                       ("id", "question_stem", "choices", "answerKey")),
+    "piqa": Task(piqa, "baber/piqa", "default", "validation", 1838, "train", 16113, ("goal", "sol1", "sol2", "label")),
+    "winogrande": Task(winogrande, "allenai/winogrande", "winogrande_xl", "validation", 1267, "train", 40398,
+                       ("sentence", "option1", "option2", "answer"), partial=True),
+}
+FEWSHOT_SEED = 1234  # the harness's default fewshot_random_seed
+
+# -----------------------------------------------------------------------------
+# Requests: context = few-shot prefix + question, continuation = " " + choice
+
+
+def shot_text(task, doc):
+    """A solved example as it appears in the few-shot prefix."""
+    question, choices, gold = TASKS[task].render(doc)
+    if TASKS[task].partial:
+        rest = winogrande_rest(doc)
+        # the harness adds " " + target + "\n\n" only when the target is not empty
+        return question + choices[gold] + (" " + rest + "\n\n" if rest else "")
+    return question + " " + choices[gold] + "\n\n"
+
+
+def doc_requests(task, doc, prefix=""):
+    """(context, continuation) strings for each choice of `doc`, the gold index, and the choices
+    (their lengths normalise acc_norm)."""
+    question, choices, gold = TASKS[task].render(doc)
+    if TASKS[task].partial:
+        rest = winogrande_rest(doc)
+        return [(prefix + question + c, " " + rest) for c in choices], gold, choices
+    return [(prefix + question, " " + c) for c in choices], gold, choices
+
+
+def fewshot_prefixes(task, docs, pool, shots, seed=FEWSHOT_SEED):
+    """The few-shot prefix of every doc, in order, and how many docs got fewer than `shots` shots.
+    One RNG per task, consumed doc after doc: a prefix depends on the doc's position, so `--limit`
+    keeps the prefixes of the full run."""
+    if shots == 0:  # the harness does not touch its sampler then
+        return [""] * len(docs), 0
+    k = shots + 1 if TASKS[task].extra_shot else shots
+    if k > len(pool):
+        raise ValueError(f"{task}: {shots}-shot needs {k} few-shot docs but the pool has {len(pool)}")
+    rng = random.Random(seed)
+    prefixes, short = [], 0
+    for doc in docs:
+        # the harness drops any drawn copy of the evaluated doc (whatever k); a doc drawn twice
+        # (duplicate rows), or drawn once when k = shots, leaves fewer shots: it keeps them fewer too
+        kept = [s for s in rng.sample(pool, k) if s != doc][:shots]
+        short += len(kept) < shots
+        prefixes.append("".join(shot_text(task, s) for s in kept))
+    return prefixes, short
+
+
+def build_requests(task, docs, pool, shots, seed=FEWSHOT_SEED):
+    """Per doc: ([(context, continuation) per choice], gold, choices); plus the count of short prefixes."""
+    prefixes, short = fewshot_prefixes(task, docs, pool, shots, seed)
+    return [doc_requests(task, doc, p) for doc, p in zip(docs, prefixes)], short
+
+
+def encode_pair(enc, context, continuation):
+    """Token ids of context and continuation, split like the harness: trailing whitespace of the
+    context moves to the continuation, and the continuation is what `enc(context + continuation)`
+    has beyond `enc(context)` (BPE merges across the boundary stay as they would in running text)."""
+    if context == "":  # the harness conditions on <|endoftext|> then (unreachable for these tasks)
+        return [enc.eot_token], enc.encode_ordinary(continuation)
+    n = len(context) - len(context.rstrip())
+    if n:
+        context, continuation = context[:-n], context[-n:] + continuation
+    whole = enc.encode_ordinary(context + continuation)
+    ctx = enc.encode_ordinary(context)
+    return ctx, whole[len(ctx):]
+
+
+# -----------------------------------------------------------------------------
+# Scoring
+
+
+@torch.no_grad()
+def loglikelihoods(model, pairs, batch_size=32, dtype=torch.float32, desc=None):
+    """log p(continuation | context) for each (context_ids, continuation_ids) pair, in input order.
+
+    Each request is left-truncated to the model's block size exactly like the harness:
+    input = (ctx + cont)[-(block_size + 1):][:-1], whose last len(cont) positions predict cont.
+    Requests run `batch_size` at a time, longest first (little padding, and an out-of-memory error
+    shows up at once), padded on the right: the model is causal, so padding never changes the
+    logits of earlier positions and a request's result does not depend on its batch (up to float
+    rounding, which can differ between batch shapes: ~1e-5 nats on a sum of ~-200 in float32).
+    """
+    block_size = model.config.block_size
+    device = next(model.parameters()).device
+    index, which = {}, []  # distinct requests, and which one each pair is
+    for ctx, cont in pairs:
+        if not 0 < len(cont) <= block_size:
+            raise ValueError(f"a continuation of {len(cont)} tokens cannot be scored with block_size={block_size}")
+        key = (tuple((ctx + cont)[-(block_size + 1):][:-1]), tuple(cont))
+        which.append(index.setdefault(key, len(index)))
+    # identical requests (repeated choices) are scored once: float rounding can differ slightly between
+    # batch shapes, and must never break a tie between two identical choices differently
+    reqs = list(index)
+    order = sorted(range(len(reqs)), key=lambda i: -len(reqs[i][0]))
+    amp = torch.autocast(device.type, dtype=dtype) if dtype != torch.float32 else nullcontext()
+    lls = [0.0] * len(reqs)
+    with tqdm(total=len(reqs), desc=desc, unit="req", disable=desc is None) as bar:
+        for s in range(0, len(order), batch_size):
+            batch = [reqs[i] for i in order[s:s + batch_size]]
+            x = torch.zeros((len(batch), len(batch[0][0])), dtype=torch.long)  # pad with token 0
+            for r, (inp, _) in enumerate(batch):
+                x[r, :len(inp)] = torch.tensor(inp)
+            with amp:
+                logits, _ = model(x.to(device))
+            # the positions that predict each continuation, all rows at once (one device sync per batch)
+            rows = torch.cat([logits[r, len(inp) - len(cont):len(inp)] for r, (inp, cont) in enumerate(batch)])
+            targets = torch.tensor([t for _, cont in batch for t in cont], device=device)
+            logp = F.log_softmax(rows.float(), dim=-1).gather(-1, targets[:, None])[:, 0]  # float32, whatever autocast
+            sums = [part.sum() for part in logp.split([len(cont) for _, cont in batch])]  # float32, as the harness
+            for i, ll in zip(order[s:s + batch_size], torch.stack(sums).tolist()):
+                lls[i] = ll
+            bar.update(len(batch))
+    return [lls[j] for j in which]
+
+
+def mean_stderr(xs):
+    """Mean and its standard error (sample std with n - 1, over sqrt(n)); no stderr for n = 1."""
+    n = len(xs)
+    mean = sum(xs) / n
+    if n < 2:
+        return mean, None
+    return mean, math.sqrt(sum((x - mean) ** 2 for x in xs) / (n - 1)) / math.sqrt(n)
+
+
+def score(lls, golds, choices, partial=False):
+    """acc (argmax of ll) and acc_norm (argmax of ll / len(choice) in characters) with stderr.
+    numpy's argmax, like the harness: ties (and NaNs) go to the first index."""
+    acc, acc_norm = [], []
+    for ll, gold, ch in zip(lls, golds, choices):
+        ll = np.array(ll)
+        acc.append(1.0 if int(np.argmax(ll)) == gold else 0.0)
+        with np.errstate(divide="ignore", invalid="ignore"):  # an empty choice divides by zero, as in the harness
+            acc_norm.append(1.0 if int(np.argmax(ll / np.array([float(len(c)) for c in ch]))) == gold else 0.0)
+    res = dict(zip(("acc", "acc_stderr"), mean_stderr(acc)))
+    if not partial:  # WinoGrande's partial scoring has no meaningful acc_norm
+        res.update(zip(("acc_norm", "acc_norm_stderr"), mean_stderr(acc_norm)))
+    res["n"] = len(lls)
+    return res
+
+
+def evaluate_task(task, docs, pool, enc, model, shots=5, batch_size=32, dtype=torch.float32, progress=True):
+    """Render, tokenize and score one task; returns its metrics and the number of requests."""
+    reqs, short = build_requests(task, docs, pool, shots)
+    pairs = [encode_pair(enc, ctx, cont) for doc_reqs, _, _ in reqs for ctx, cont in doc_reqs]
+    lls = loglikelihoods(model, pairs, batch_size, dtype, desc=task if progress else None)
+    per_doc, i = [], 0
+    for doc_reqs, _, _ in reqs:
+        per_doc.append(lls[i:i + len(doc_reqs)])
+        i += len(doc_reqs)
+    res = score(per_doc, [g for _, g, _ in reqs], [c for _, _, c in reqs], TASKS[task].partial)
+    res["short_fewshot_docs"] = short
+    if short:
+        print(f"note: {task}: {short} docs got fewer than {shots} shots because copies of themselves were drawn "
+              f"(the harness does the same)", file=sys.stderr)
+    return res, len(pairs)
+
+
+# -----------------------------------------------------------------------------
+# Data: the dataset-viewer API, cached as JSON lines
+
+BASE_URL = "https://datasets-server.huggingface.co"
+PAGE = 100  # rows per request: the API's maximum
+RETRIES = 6  # retries per page on 429, 5xx, timeouts and dropped connections
+RETRY_DELAY = 2.0  # seconds before the first retry, doubled after each (tests set it to ~0)
+TIMEOUT = 60  # seconds per request
+
+
+def get_json(url, params):
+    """GET url?params as JSON, retrying with exponential backoff on 429, 5xx and network errors."""
+    for attempt in range(RETRIES + 1):
+        try:
+            r = requests.get(url, params=params, timeout=TIMEOUT)
+        except (requests.ConnectionError, requests.Timeout, requests.exceptions.ChunkedEncodingError) as e:
+            why = type(e).__name__
+        else:
+            if r.status_code == 200:
+                try:
+                    return r.json()
+                except ValueError:
+                    raise ValueError(f"{r.url}: the response is not JSON") from None
+            text = " ".join(r.text.split())[:200]
+            if r.status_code != 429 and r.status_code < 500:  # our request is wrong: retrying won't help
+                raise ValueError(f"{r.url}: HTTP {r.status_code} {text} "
+                                 f"(GET {url.rsplit('/', 1)[0]}/splits?dataset={params['dataset']} lists the configs)")
+            why = f"HTTP {r.status_code} {text}"
+        if attempt == RETRIES:
+            raise ConnectionError(f"{url} {params}: giving up after {RETRIES + 1} tries ({why})")
+        delay = RETRY_DELAY * 2 ** attempt
+        print(f"{url} offset={params['offset']}: {why}; retrying in {delay:g}s", file=sys.stderr)
+        time.sleep(delay)
+
+
+def download_split(base_url, repo, config, split, expected_rows, desc=None):
+    """All rows of one split, in order, from the dataset-viewer API's paged /rows endpoint."""
+    url = base_url.rstrip("/") + "/rows"
+    rows = []
+    with tqdm(total=expected_rows, desc=desc, unit="row", disable=desc is None) as bar:
+        while len(rows) < expected_rows:
+            params = dict(dataset=repo, config=config, split=split, offset=len(rows), length=PAGE)
+            page = get_json(url, params)
+            where = f"{url}?dataset={repo}&config={config}&split={split}&offset={len(rows)}"
+            if not isinstance(page, dict) or not isinstance(page.get("rows"), list) or "num_rows_total" not in page:
+                raise ValueError(f"{where}: expected a JSON object with 'rows' and 'num_rows_total'")
+            if page["num_rows_total"] != expected_rows:
+                raise ValueError(f"{where}: the server has {page['num_rows_total']} rows, "
+                                 f"expected {expected_rows} (the split the harness evaluates)")
+            if not page["rows"]:
+                raise ValueError(f"{where}: empty page after {len(rows)} of {expected_rows} rows")
+            for r in page["rows"]:
+                if r.get("truncated_cells"):  # the API shortens very long cells: such a row is not the real one
+                    raise ValueError(f"{where}: row {r.get('row_idx')} has truncated cells {r['truncated_cells']}")
+                if r.get("row_idx") != len(rows):
+                    raise ValueError(f"{where}: got row_idx {r.get('row_idx')}, expected {len(rows)}")
+                rows.append(r["row"])
+            bar.update(len(page["rows"]))
+    if len(rows) != expected_rows:
+        raise ValueError(f"{url}: {repo}/{config}/{split} gave {len(rows)} rows, expected {expected_rows}")
+    return rows
+
+
+def write_atomic(path, text):
+    """Write a text file via a temp file renamed into place: readers never see half a file."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    tmp = f"{path}.tmp{os.getpid()}"
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def write_jsonl(path, rows):
+    write_atomic(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+
+
+def read_jsonl(path, fields):
+    """Rows of a cached (or user-supplied) JSON-lines file, checked to carry `fields`."""
+    rows = []
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except ValueError as e:
+                raise ValueError(f"{path}:{n}: not valid JSON ({e})") from None
+            missing = [k for k in fields if not isinstance(row, dict) or k not in row]
+            if missing:
+                raise ValueError(f"{path}:{n}: missing key(s) {', '.join(missing)}; "
+                                 f"expected a row with {', '.join(fields)}")
+            rows.append(row)
+    if not rows:
+        raise ValueError(f"{path}: no rows")
+    return rows
+
+
+def load_split(task, which, data_dir="data/eval", base_url=BASE_URL, progress=True):
+    """Rows of the evaluated split (which='eval') or the few-shot pool (which='pool') of a task:
+    from <data_dir>/<task>/<split>.jsonl if present, else downloaded and cached there first."""
+    t = TASKS[task]
+    split, expected = (t.split, t.rows) if which == "eval" else (t.pool_split, t.pool_rows)
+    path = os.path.join(data_dir, task, f"{split}.jsonl")
+    if not os.path.exists(path):
+        rows = download_split(base_url, t.repo, t.config, split, expected, f"{task}/{split}" if progress else None)
+        write_jsonl(path, rows)
+    rows = read_jsonl(path, t.fields)
+    if len(rows) != expected:
+        print(f"note: {path} has {len(rows)} rows, the harness's split has {expected}: "
+              f"scores are not comparable with published ones", file=sys.stderr)
+    return rows
+
+
+# -----------------------------------------------------------------------------
+# Command line
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description="5-shot multiple-choice evaluation, lm-evaluation-harness compatible")
+    p.add_argument("ckpt", help="checkpoint written by train.py")
+    p.add_argument("--tasks", default=",".join(TASKS), help="comma-separated subset of: " + ", ".join(TASKS))
+    p.add_argument("--limit", type=int, default=None, help="evaluate only the first N docs of each task")
+    p.add_argument("--shots", type=int, default=5, help="few-shot examples per request")
+    p.add_argument("--batch_size", type=int, default=32, help="requests per forward pass")
+    p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                   help="autocast dtype of the forward pass (default: bfloat16 on cuda, float32 on cpu); "
+                        "log-softmax is always float32")
+    p.add_argument("--data_dir", default="data/eval", help="cache of the data sets: <data_dir>/<task>/<split>.jsonl")
+    p.add_argument("--base_url", default=BASE_URL, help="root of the Hugging Face dataset-viewer API (or a mirror)")
+    p.add_argument("--drop_anchor", action="store_true",
+                   help="zero every anchor term at inference (the paper's anchor-removal ablation, §4.5)")
+    p.add_argument("--out", default=None, help="also write the results to this JSON file")
+    p.add_argument("--tokenizer", default=None, help="local .tiktoken ranks file (default: GPT-2 from tiktoken)")
+    args = p.parse_args(argv)
+    args.tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    bad = [t for t in args.tasks if t not in TASKS]
+    if bad or not args.tasks:
+        p.error(f"--tasks {','.join(bad) or '(empty)'}: expected a comma list of {', '.join(TASKS)}")
+    for name, low in (("limit", 1), ("shots", 0), ("batch_size", 1)):
+        v = getattr(args, name)
+        if v is not None and v < low:
+            p.error(f"--{name} {v}: expected an integer >= {low}")
+    return args
+
+
+def summary_metric(task):
+    return "acc" if TASKS[task].partial else "acc_norm"
+
+
+def print_table(results, average):
+    pct = lambda v: "     -" if v is None else f"{100 * v:6.2f}"
+    print(f"{'task':<14} {'acc':>6} {'±':>6} {'acc_norm':>8} {'±':>6} {'n':>6}  summary")
+    for task, r in results.items():
+        print(f"{task:<14} {pct(r['acc'])} {pct(r['acc_stderr'])} {pct(r.get('acc_norm')):>8} "
+              f"{pct(r.get('acc_norm_stderr'))} {r['n']:>6}  {summary_metric(task)}")
+    print(f"{'average':<14} {pct(average)}  (mean over {len(results)} tasks of the summary metric, in %)")
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    from data import load_encoding  # the trainer's code, imported here so the scoring functions stand alone
+    from train import load_model
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = getattr(torch, args.dtype or ("bfloat16" if device.startswith("cuda") else "float32"))
+    # cheap checks first: tokenizer, checkpoint, anchor option; then the data of every task; then scoring
+    try:
+        enc = load_encoding(args.tokenizer)
+        model, _ = load_model(args.ckpt, device=device)
+        if args.out:  # fail now rather than after the whole evaluation
+            os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+            if not os.access(os.path.dirname(args.out) or ".", os.W_OK):
+                raise ValueError(f"--out {args.out}: directory is not writable")
+    except (ValueError, OSError) as e:
+        raise SystemExit(f"error: {e}")
+    if args.drop_anchor:
+        if model.config.anchor == "none":
+            raise SystemExit(f"--drop_anchor: {args.ckpt} has no anchors (anchor='none')")
+        model.drop_anchor = True
+    if enc.max_token_value >= model.config.vocab_size:
+        raise SystemExit(f"--tokenizer: token ids up to {enc.max_token_value} but {args.ckpt} has "
+                         f"vocab_size={model.config.vocab_size}")
+    try:
+        data = {t: (load_split(t, "eval", args.data_dir, args.base_url)[:args.limit],
+                    load_split(t, "pool", args.data_dir, args.base_url)) for t in args.tasks}
+    except (ValueError, ConnectionError, OSError) as e:
+        raise SystemExit(f"error: {e}")
+
+    results, n_req, t0 = {}, 0, time.time()
+    for task, (docs, pool) in data.items():
+        results[task], n = evaluate_task(task, docs, pool, enc, model, args.shots, args.batch_size, dtype)
+        n_req += n
+        print(f"{task}: " + ", ".join(f"{k} {v:.4f}" for k, v in results[task].items()
+                                      if k in ("acc", "acc_norm")) + f" (n={len(docs)})")
+    elapsed = time.time() - t0
+    average = sum(results[t][summary_metric(t)] for t in results) / len(results)
+    print_table(results, average)
+    print(f"{n_req} requests in {elapsed:.1f}s: {n_req / elapsed:.1f} requests/s")
+    if args.out:
+        out = {"checkpoint": args.ckpt, "tasks": results, "average": average,
+               "average_of": {t: summary_metric(t) for t in results},
+               "shots": args.shots, "limit": args.limit, "drop_anchor": args.drop_anchor,
+               "block_size": model.config.block_size, "device": device, "dtype": str(dtype).removeprefix("torch."),
+               "requests": n_req, "seconds": elapsed}
+        write_atomic(args.out, json.dumps(out, indent=2) + "\n")
+        print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
