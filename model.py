@@ -98,9 +98,10 @@ class CausalSelfAttention(nn.Module):
             lam1, lam2 = self.lam[s + "1"], self.lam[s + "2"]
             if scales is not None:  # Eq. 12: per-token scaling of both coefficients
                 lam1, lam2 = lam1 * next(scales), lam2 * next(scales)
-            mixed = lam2.to(x.dtype) * proj[s]
+            dtype = proj[s].dtype  # fp32 λ must not promote bf16 activations under autocast
+            mixed = lam2.to(dtype) * proj[s]
             if anchors is not None:  # anchors is None when they are removed at inference (SPEC §3.6)
-                mixed = mixed + lam1.to(x.dtype) * anchors[s]  # Eq. 10
+                mixed = mixed + lam1.to(dtype) * anchors[s]  # Eq. 10
             proj[s] = mixed
         q, k = self.q_norm(proj["q"]), self.k_norm(proj["k"])
         if self.anchor_norm:  # internal anchors for q and k are the first layer's QK-normed q and k

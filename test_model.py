@@ -446,3 +446,18 @@ def test_flops_per_token_follows_the_matmul_count(name):
         matmul += L * (16 * C + 16 * 2 * len(c.mix))
     with torch.device("meta"):
         assert GPT(c).flops_per_token(T) == 6 * matmul + 12 * L * C * T
+
+
+@pytest.mark.parametrize("name", ["dyn_exo", "nuresformer_h"])
+def test_bf16_autocast_keeps_attention_in_bf16(name):
+    """fp32 λ and norm weights must not promote bf16 activations back to fp32 (memory, speed on GPU)."""
+    model = randomize(GPT(variant(name)))
+    seen = []
+    for block in model.blocks:
+        block.attn.register_forward_hook(lambda m, i, out: seen.extend([out[0].dtype, *(t.dtype for t in out[1].values())]))
+    idx = tokens(model.config)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits, loss = model(idx[:, :-1], idx[:, 1:])
+    assert set(seen) == {torch.bfloat16} and len(seen) == model.config.n_layer * 5
+    assert loss.dtype == torch.float32
+    torch.testing.assert_close(loss, model(idx[:, :-1], idx[:, 1:])[1], rtol=0.02, atol=0.02)  # vs fp32

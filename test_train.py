@@ -390,3 +390,13 @@ def test_bench_prints_time_and_flop_ratios(capsys):
     flops = [r["model"].flops_per_token(32) for r in runs]
     assert float(rows["dyn_exo"][-1]) == pytest.approx(flops[1] / flops[0], abs=1e-4) and flops[1] > flops[0]
     assert rows["dyn_exo"][1] == f"{runs[1]['model'].num_params():,}"
+
+
+def test_bf16_autocast_training_on_cpu(data_dir, tmp_path):
+    """The CUDA recipe's mixed precision (bf16 forward, fp32 master weights) runs on CPU too."""
+    out = str(tmp_path / "out")
+    train.main(SMALL + [f"--data_dir={data_dir}", f"--out_dir={out}", "--max_steps=8", "--dtype=bfloat16",
+                        "--adam_lr=0.01"])
+    log = read_log(out)
+    assert log[-1]["val_loss"] < log[0]["val_loss"] - 0.3, log
+    assert all(v.dtype == torch.float32 for v in load_checkpoint(f"{out}/ckpt.pt")["model"].values())

@@ -261,9 +261,9 @@ def setup(cfg):
     """Distributed setup and device choices; returns rank, world_size, device, autocast context, compile flag."""
     rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     device = cfg["device"] or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda":  # under torchrun, one GPU per local rank
+        device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
     if device.startswith("cuda"):
-        local_rank = int(os.environ.get("LOCAL_RANK", 0))
-        device = f"cuda:{local_rank}" if world_size > 1 else device
         torch.cuda.set_device(device)
     if world_size > 1:
         dist.init_process_group("nccl" if device.startswith("cuda") else "gloo")
@@ -318,7 +318,8 @@ def main(argv):
         accum = check_config(cfg, world_size)
         model_config = GPTConfig(**{k: cfg[k] for k in MODEL_KEYS})
         ckpt_path = os.path.join(cfg["out_dir"], "ckpt.pt")
-        ckpt = load_checkpoint(ckpt_path, device) if (cfg["init_from"] == "resume" or cfg["eval_only"]) else None
+        # loaded to the CPU: load_state_dict copies to the device, and RNG states must stay CPU tensors
+        ckpt = load_checkpoint(ckpt_path) if (cfg["init_from"] == "resume" or cfg["eval_only"]) else None
         if ckpt is not None and ckpt["model_config"] != asdict(model_config):
             diff = sorted(k for k in MODEL_KEYS if ckpt["model_config"][k] != cfg[k])
             raise ValueError(f"{ckpt_path}: its model differs from the configured one in {', '.join(diff)}")
