@@ -23,6 +23,7 @@ BENCH_DEFAULTS = dict(
     steps=5,  # timed steps per model per round
     rounds=3,  # rounds of interleaving; the median step time over all rounds is reported
     warmup=2,  # untimed steps per model first (compilation, allocator)
+    optimizer=True,  # False: time forward + backward only (isolates the model's own cost)
 )
 
 
@@ -31,26 +32,12 @@ def peak_memory_reset(device):
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         return torch.cuda.memory_allocated()
-    try:  # Linux: writing 5 to clear_refs resets the process's peak resident set size (VmHWM)
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return _vm("VmRSS")
-    except OSError:
-        return None
-
-
-def _vm(field):
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))
+    return None  # the CPU allocator keeps no statistics; process RSS mixes in freed, cached memory
 
 
 def peak_memory(device, base):
-    """Bytes used at peak since peak_memory_reset, above what was in use then (None if unknown)."""
-    if base is None:
-        return None
-    if device.startswith("cuda"):
-        return torch.cuda.max_memory_allocated() - base
-    return _vm("VmHWM") - base
+    """Bytes allocated at peak since peak_memory_reset, above what was in use then (None on CPU)."""
+    return None if base is None else torch.cuda.max_memory_allocated() - base
 
 
 def main(argv):
@@ -67,7 +54,8 @@ def main(argv):
         sys.exit(f"bench.py: error: {e}")
     c0 = cfgs[0]
     B, T = c0["batch_size"], c0["block_size"]
-    print(f"{device}, {c0['dtype'] or 'auto'} dtype, compile={use_compile}, batch {B} x {T} tokens, "
+    what = "forward+backward+optimisers" if c0["optimizer"] else "forward+backward"
+    print(f"{what}: {device}, {c0['dtype'] or 'auto'} dtype, compile={use_compile}, batch {B} x {T} tokens, "
           f"{c0['rounds']} rounds x {c0['steps']} steps (+{c0['warmup']} warmup)")
     g = torch.Generator().manual_seed(0)
     data = torch.randint(0, c0["vocab_size"], (B, T + 1), generator=g).to(device)
@@ -78,7 +66,7 @@ def main(argv):
         base = peak_memory_reset(device)
         torch.manual_seed(cfg["seed"])
         model = model.to(device)
-        optimizers = configure_optimizers(model, cfg)
+        optimizers = configure_optimizers(model, cfg) if cfg["optimizer"] else None
         run = dict(name=os.path.basename(f)[:-3], model=model, cfg=cfg, optimizers=optimizers, times=[],
                    fwd=torch.compile(model) if use_compile else model)
         for _ in range(cfg["warmup"]):
@@ -111,7 +99,10 @@ def step(run, x, y, autocast, device):
     with autocast:
         _, loss, z = run["fwd"](x, y, with_z=True)
     (loss + run["cfg"]["z_loss"] * z).backward()
-    optimizer_step(run["model"], run["optimizers"], run["cfg"])
+    if run["cfg"]["optimizer"]:
+        optimizer_step(run["model"], run["optimizers"], run["cfg"])
+    else:
+        run["model"].zero_grad(set_to_none=True)
     if device.startswith("cuda"):
         torch.cuda.synchronize()
     return time.perf_counter() - t0

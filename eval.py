@@ -203,11 +203,12 @@ def loglikelihoods(model, pairs, batch_size=32, dtype=torch.float32, desc=None):
             for r, (inp, _) in enumerate(batch):
                 x[r, :len(inp)] = torch.tensor(inp)
             with amp:
-                logits, _ = model(x.to(device))
-            # the positions that predict each continuation, all rows at once (one device sync per batch)
-            rows = torch.cat([logits[r, len(inp) - len(cont):len(inp)] for r, (inp, cont) in enumerate(batch)])
+                h = model.features(x.to(device))
+                # lm_head only at the positions that predict a continuation: most of a request is context
+                rows = torch.cat([h[r, len(inp) - len(cont):len(inp)] for r, (inp, cont) in enumerate(batch)])
+                logits = model.lm_head(rows)
             targets = torch.tensor([t for _, cont in batch for t in cont], device=device)
-            logp = F.log_softmax(rows.float(), dim=-1).gather(-1, targets[:, None])[:, 0]  # float32, whatever autocast
+            logp = F.log_softmax(logits.float(), dim=-1).gather(-1, targets[:, None])[:, 0]  # float32, whatever autocast
             sums = [part.sum() for part in logp.split([len(cont) for _, cont in batch])]  # float32, as the harness
             for i, ll in zip(order[s:s + batch_size], torch.stack(sums).tolist()):
                 lls[i] = ll

@@ -238,9 +238,9 @@ class GPT(nn.Module):
     def _norm_anchors(self, anchors):  # RMS-normalise the anchors that have their own norm
         return {s: self.anchor_norms[s](a) if s in self.anchor_norms else a for s, a in anchors.items()}
 
-    def forward(self, idx, targets=None, with_z=False):
-        # idx (B, T) int64 -> logits (B, T, V), loss: mean cross-entropy or None
-        # with_z=True adds a third value, mean(logsumexp(logits)²), for the z-loss (SPEC §2)
+    def features(self, idx):
+        """idx (B, T) int64 -> final hidden states (B, T, C), what lm_head turns into logits. A scorer
+        that needs a few positions only (eval.py) applies lm_head to those and saves the rest."""
         B, T = idx.shape
         if T > self.config.block_size:
             raise ValueError(f"sequence length {T} exceeds block_size={self.config.block_size}")
@@ -254,7 +254,12 @@ class GPT(nn.Module):
             h, proj = block(h, None if self.drop_anchor else anchors)
             if i == 0 and self.config.anchor == "internal":  # layer 1's projections anchor layers 2..L
                 anchors = self._norm_anchors({s: proj[s] for s in self.config.mixed})
-        logits = self.lm_head(self.ln_f(h))
+        return self.ln_f(h)
+
+    def forward(self, idx, targets=None, with_z=False):
+        # idx (B, T) int64 -> logits (B, T, V), loss: mean cross-entropy or None
+        # with_z=True adds a third value, mean(logsumexp(logits)²), for the z-loss (SPEC §2)
+        logits = self.lm_head(self.features(idx))
         if targets is None:
             return (logits, None, None) if with_z else (logits, None)
         logits32 = logits.float()

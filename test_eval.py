@@ -216,7 +216,8 @@ def test_encode_pair_moves_trailing_space_and_splits_like_the_harness(enc):
 # Scoring
 
 class TinyCausalLM(nn.Module):
-    """A small causal model with the GPT interface: model(idx) -> (logits, None). Records its inputs."""
+    """A small causal model with the GPT interface: model(idx) -> (logits, None), which is
+    lm_head(features(idx)). Records its inputs."""
 
     def __init__(self, vocab_size, block_size=64, n_embd=16, seed=0):
         super().__init__()
@@ -226,15 +227,20 @@ class TinyCausalLM(nn.Module):
         self.qkv, self.head = nn.Linear(n_embd, 3 * n_embd), nn.Linear(n_embd, vocab_size)
         self.inputs = []
 
-    def forward(self, idx):
+    def features(self, idx):
         B, T = idx.shape
         if T > self.config.block_size:
             raise ValueError(f"T={T} > block_size")
         self.inputs.append(idx.tolist())
         x = self.wte(idx) + self.wpe(torch.arange(T))
         q, k, v = self.qkv(x)[:, None].chunk(3, dim=-1)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)[:, 0]
-        return 3 * self.head(x + y), None
+        return x + F.scaled_dot_product_attention(q, k, v, is_causal=True)[:, 0]
+
+    def lm_head(self, h):
+        return 3 * self.head(h)
+
+    def forward(self, idx):
+        return self.lm_head(self.features(idx)), None
 
 
 class UniformLM(nn.Module):
@@ -245,8 +251,14 @@ class UniformLM(nn.Module):
         self.config = SimpleNamespace(block_size=block_size, vocab_size=vocab_size)
         self.dummy = nn.Parameter(torch.zeros(1))
 
+    def features(self, idx):
+        return torch.zeros(*idx.shape, 1) + 0 * self.dummy
+
+    def lm_head(self, h):
+        return h.expand(*h.shape[:-1], self.config.vocab_size)
+
     def forward(self, idx):
-        return torch.zeros(*idx.shape, self.config.vocab_size) + 0 * self.dummy, None
+        return self.lm_head(self.features(idx)), None
 
 
 def direct_ll(model, ctx, cont):

@@ -390,6 +390,10 @@ def test_bench_prints_time_and_flop_ratios(capsys):
     flops = [r["model"].flops_per_token(32) for r in runs]
     assert float(rows["dyn_exo"][-1]) == pytest.approx(flops[1] / flops[0], abs=1e-4) and flops[1] > flops[0]
     assert rows["dyn_exo"][1] == f"{runs[1]['model'].num_params():,}"
+    assert runs[0]["model"].lm_head.weight.abs().sum() > 0  # the optimisers did step (lm_head starts at 0)
+    runs = bench.main(["configs/gated.py"] + size + ["--optimizer=False"])
+    assert "forward+backward:" in capsys.readouterr().out
+    assert runs[0]["model"].lm_head.weight.abs().sum() == 0  # forward + backward only
 
 
 def test_bf16_autocast_training_on_cpu(data_dir, tmp_path):
