@@ -4,6 +4,7 @@ Shard format (llm.c / modded-nanogpt): a header of 256 little-endian int32 words
 version 1, token count, then zeros), followed by the tokens as little-endian uint16. A shard of
 ntok tokens is therefore exactly 1024 + 2*ntok bytes; anything else is a truncated or foreign file.
 """
+import contextlib
 import glob
 import os
 
@@ -26,6 +27,28 @@ def load_encoding(path=None):
         raise ValueError(f"{path}: not a readable .tiktoken ranks file ({e})") from None
     return tiktoken.Encoding(name=f"gpt2:{path}", pat_str=GPT2_PATTERN, mergeable_ranks=ranks,
                              special_tokens={"<|endoftext|>": len(ranks)})
+
+
+@contextlib.contextmanager
+def atomic_write(path, mode="wb"):
+    """Write through a temp file that is fsynced and renamed into place when the block succeeds:
+    readers never see half a file, and a crash or error leaves the previous file, if any, intact."""
+    path = str(path)
+    tmp = f"{path}.tmp{os.getpid()}"
+    try:
+        with open(tmp, mode, encoding=None if "b" in mode else "utf-8") as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        dir_fd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)  # make the rename itself durable
+        finally:
+            os.close(dir_fd)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -53,11 +76,9 @@ def write_shard(path, tokens):
         tokens = tokens.astype(np.uint16)
     header = np.zeros(HEADER_WORDS, dtype="<i4")
     header[:3] = MAGIC, VERSION, len(tokens)
-    tmp = path + ".tmp"
-    with open(tmp, "wb") as f:
+    with atomic_write(path) as f:
         f.write(header.tobytes())
         f.write(memoryview(np.ascontiguousarray(tokens, dtype="<u2")))  # no copy for uint16 input
-    os.replace(tmp, path)
 
 
 def read_header(path):

@@ -27,6 +27,8 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from data import atomic_write, load_encoding
+
 # -----------------------------------------------------------------------------
 # The tasks: one small function per task turns a dataset row into (question, choices, gold)
 
@@ -321,21 +323,10 @@ def download_split(base_url, repo, config, split, expected_rows, desc=None):
     return rows
 
 
-def write_atomic(path, text):
-    """Write a text file via a temp file renamed into place: readers never see half a file."""
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    tmp = f"{path}.tmp{os.getpid()}"
-    try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-
-
 def write_jsonl(path, rows):
-    write_atomic(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with atomic_write(path, "w") as f:
+        f.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
 
 
 def read_jsonl(path, fields):
@@ -423,8 +414,7 @@ def print_table(results, average):
 
 def main(argv=None):
     args = parse_args(argv)
-    from data import load_encoding  # the trainer's code, imported here so the scoring functions stand alone
-    from train import load_model
+    from train import load_model  # the trainer's loading code (imported here: it pulls in the optimisers)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = getattr(torch, args.dtype or ("bfloat16" if device.startswith("cuda") else "float32"))
     # cheap checks first: tokenizer, checkpoint, anchor option; then the data of every task; then scoring
@@ -466,7 +456,8 @@ def main(argv=None):
                "shots": args.shots, "limit": args.limit, "drop_anchor": args.drop_anchor,
                "block_size": model.config.block_size, "device": device, "dtype": str(dtype).removeprefix("torch."),
                "requests": n_req, "seconds": elapsed}
-        write_atomic(args.out, json.dumps(out, indent=2) + "\n")
+        with atomic_write(args.out, "w") as f:
+            f.write(json.dumps(out, indent=2) + "\n")
         print(f"wrote {args.out}")
 
 

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from configurator import load_config
-from data import DataLoader, val_batches
+from data import DataLoader, atomic_write, val_batches
 from model import GPT, GPTConfig
 
 # ----------------------------------------------------------------------------- defaults: the paper's 450M run
@@ -205,17 +205,8 @@ def set_schedule(optimizers, step, cfg):
 
 def save_checkpoint(path, state):
     """Write atomically: a crash mid-write leaves the previous checkpoint intact."""
-    tmp = f"{path}.tmp"
-    with open(tmp, "wb") as f:
+    with atomic_write(path) as f:
         torch.save(state, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    dir_fd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)  # make the rename itself durable
-    finally:
-        os.close(dir_fd)
 
 
 def load_checkpoint(path, map_location="cpu"):
