@@ -354,9 +354,10 @@ def main(argv):
         log_path = os.path.join(cfg["out_dir"], "log.jsonl")
         # a resumed run's log reads as if it had never stopped: drop what came after the checkpoint
         kept = [line for line in open(log_path)] if step > 0 and os.path.exists(log_path) else []
-        log_file = open(log_path, "w")
-        log_file.writelines(line for line in kept if json.loads(line)["step"] <= step)
-        log_file.write(json.dumps({"step": step, "config": cfg}) + "\n")  # every (re)start records its config
+        with atomic_write(log_path, "w") as f:
+            f.writelines(line for line in kept if json.loads(line)["step"] <= step)
+            f.write(json.dumps({"step": step, "config": cfg}) + "\n")  # every (re)start records its config
+        log_file = open(log_path, "a")
         log_file.flush()
         wandb = None
         if cfg["wandb_log"]:
