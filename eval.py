@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from data import atomic_write, load_encoding
+from model import load_model
 
 # -----------------------------------------------------------------------------
 # The tasks: one small function per task turns a dataset row into (question, choices, gold)
@@ -414,7 +415,6 @@ def print_table(results, average):
 
 def main(argv=None):
     args = parse_args(argv)
-    from train import load_model  # the trainer's loading code (imported here: it pulls in the optimisers)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = getattr(torch, args.dtype or ("bfloat16" if device.startswith("cuda") else "float32"))
     # cheap checks first: tokenizer, checkpoint, anchor option; then the data of every task; then scoring

@@ -13,7 +13,8 @@ Every mixed projection S of a mixing layer n is  Ŝ_n = λ_{n,1} ⊙ N(S_anc) + 
 where the anchors S_anc come from the first layer (internal) or from one projection of the token
 embeddings shared by every layer (exo). Notation: C = n_embd, H = n_head, D = C/H.
 """
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, fields
 
 import torch
 import torch.nn as nn
@@ -87,13 +88,18 @@ class CausalSelfAttention(nn.Module):
         self.lam = nn.ParameterDict({f"{s}{i}": nn.Parameter(torch.full(shape, init))
                                      for s in self.mix for i in "12"})
         self.dyn = DynamicScale(config.n_embd, 2 * len(self.mix)) if (self.mix and config.dynamic) else None
+        # Inspection hook for analysis (analyze.py); training never sets it. Called once per forward as
+        # inspect(q=, k=, g=, scales=): q, k (B, H, T, D) as they enter attention (mixed, QK-normed, RoPE),
+        # g the mixed gate logits (B, H, T, D) or None, scales the dynamic scales (2|mix|, B, 1, T, 1) or None.
+        self.inspect = None
 
     def forward(self, x, anchors):
         # x (B, T, C), anchors {name: (B, H, T, D)} or None -> y (B, T, C), projections {name: (B, H, T, D)}
         B, T, C = x.shape
         parts = self.c_attn(x).view(B, T, len(self.names), self.n_head, self.head_dim).transpose(1, 3)
         proj = dict(zip(self.names, parts.unbind(2)))  # each (B, H, T, D)
-        scales = iter(self.dyn(x)) if self.dyn is not None else None
+        dyn = self.dyn(x) if self.dyn is not None else None
+        scales = iter(dyn) if dyn is not None else None
         for s in self.mix:
             lam1, lam2 = self.lam[s + "1"], self.lam[s + "2"]
             if scales is not None:  # Eq. 12: per-token scaling of both coefficients
@@ -106,7 +112,10 @@ class CausalSelfAttention(nn.Module):
         q, k = self.q_norm(proj["q"]), self.k_norm(proj["k"])
         if self.anchor_norm:  # internal anchors for q and k are the first layer's QK-normed q and k
             proj.update(q=q, k=k)
-        y = F.scaled_dot_product_attention(self.rotary(q), self.rotary(k), proj["v"], is_causal=True)
+        q, k = self.rotary(q), self.rotary(k)
+        if self.inspect is not None:
+            self.inspect(q=q, k=k, g=proj.get("g"), scales=dyn)
+        y = F.scaled_dot_product_attention(q, k, proj["v"], is_causal=True)
         if self.gate:  # Gated Attention (G1): elementwise sigmoid gate on the SDPA output
             y = y * torch.sigmoid(proj["g"])
         y = y.transpose(1, 2).reshape(B, T, C)
@@ -178,6 +187,16 @@ class GPTConfig:
             raise ValueError("GPTConfig.anchor='none': expected mix='', anchor_norm=False and dynamic=False")
         if self.anchor != "none" and not self.mix:
             raise ValueError(f"GPTConfig.mix='': anchor={self.anchor!r} expected a subset of 'qkvg'")
+
+    @classmethod
+    def from_dict(cls, d, source="model_config"):
+        """The config saved in a checkpoint. A field it lacks (added to GPTConfig after the checkpoint was
+        written) takes its default, so a new field's default must reproduce the old behaviour."""
+        unknown = sorted(set(d) - {f.name for f in fields(cls)})
+        if unknown:
+            raise ValueError(f"{source}: unknown model field(s) {', '.join(unknown)} (written by another "
+                             f"version of model.py?); known: {', '.join(f.name for f in fields(cls))}")
+        return cls(**d)
 
     @property
     def head_dim(self):
@@ -283,3 +302,43 @@ class GPT(nn.Module):
                 next_id = torch.multinomial(F.softmax(logits, dim=-1), num_samples=1)
             idx = torch.cat((idx, next_id), dim=1)
         return idx
+
+
+# ----------------------------------------------------------------------------- checkpoints
+
+def load_checkpoint(path, map_location="cpu"):
+    """The dict saved by train.py (or convert.py), read with weights_only=True: tensors and plain types
+    only, so a checkpoint can never run code."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{path}: no checkpoint there")
+    try:
+        ckpt = torch.load(path, map_location=map_location, weights_only=True)
+    except Exception as e:  # torch raises UnpicklingError for forbidden globals, others for corrupt files
+        first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ValueError(f"{path}: not a loadable checkpoint ({first_line})") from None
+    missing = [k for k in ("model", "model_config") if not isinstance(ckpt, dict) or k not in ckpt]
+    if missing:
+        raise ValueError(f"{path}: not a checkpoint of this project (no {' or '.join(missing)})")
+    return ckpt
+
+
+def load_state(model, state_dict, source):
+    """model.load_state_dict with a one-line error naming the first missing, unexpected or misshapen tensor."""
+    own = model.state_dict()
+    for problem, names in (("missing", [k for k in own if k not in state_dict]),
+                           ("unexpected", [k for k in state_dict if k not in own])):
+        if names:
+            raise ValueError(f"{source}: {problem} tensor(s) {', '.join(names[:3])}"
+                             f"{' ...' if len(names) > 3 else ''} for this model config")
+    for k, v in state_dict.items():
+        if v.shape != own[k].shape:
+            raise ValueError(f"{source}: tensor {k} has shape {tuple(v.shape)}, expected {tuple(own[k].shape)}")
+    model.load_state_dict(state_dict)
+
+
+def load_model(path, device="cpu"):
+    """The model of a checkpoint, in eval mode, and the checkpoint itself: what every tool calls."""
+    ckpt = load_checkpoint(path)
+    model = GPT(GPTConfig.from_dict(ckpt["model_config"], f"{path}: model_config"))
+    load_state(model, ckpt["model"], path)
+    return model.to(device).eval(), ckpt

@@ -526,7 +526,8 @@ def small_data(data_dir):
 
 def test_cli_end_to_end(tmp_path, enc, enc_file):
     from model import GPT, GPTConfig
-    from train import load_model, save_checkpoint
+    from model import load_model
+    from train import save_checkpoint
     data_dir = tmp_path / "data"
     small_data(str(data_dir))
     torch.manual_seed(0)

@@ -15,7 +15,8 @@ import torch.multiprocessing as mp
 
 import train
 from data import write_shard
-from train import DEFAULTS, Muon, load_checkpoint, lr_multiplier, muon_momentum, polar_express
+from model import load_checkpoint
+from train import DEFAULTS, Muon, lr_multiplier, muon_momentum, polar_express
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 VOCAB = 256

@@ -24,7 +24,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from configurator import load_config
 from data import DataLoader, atomic_write, val_batches
-from model import GPT, GPTConfig
+from model import GPT, GPTConfig, load_checkpoint
 
 # ----------------------------------------------------------------------------- defaults: the paper's 450M run
 # (the model fields of GPTConfig are keys too: set them with a configs/ file)
@@ -207,25 +207,6 @@ def save_checkpoint(path, state):
     """Write atomically: a crash mid-write leaves the previous checkpoint intact."""
     with atomic_write(path) as f:
         torch.save(state, f)
-
-
-def load_checkpoint(path, map_location="cpu"):
-    """Tensors and plain types only (weights_only=True): a checkpoint can never run code."""
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"{path}: no checkpoint there")
-    try:
-        return torch.load(path, map_location=map_location, weights_only=True)
-    except Exception as e:  # torch raises UnpicklingError for forbidden globals, others for corrupt files
-        first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ValueError(f"{path}: not a loadable checkpoint ({first_line})") from None
-
-
-def load_model(path, device="cpu"):
-    """The model of a checkpoint, in eval mode, and the checkpoint itself."""
-    ckpt = load_checkpoint(path, map_location=device)
-    model = GPT(GPTConfig(**ckpt["model_config"])).to(device)
-    model.load_state_dict(ckpt["model"])
-    return model.eval(), ckpt
 
 
 def rng_state():
