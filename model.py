@@ -19,12 +19,14 @@ from dataclasses import dataclass, fields
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 PROJECTIONS = "qkvg"  # order of the projections in c_attn and anchor_proj: query, key, value, gate logit
 GRANULARITY_SHAPES = {"scalar": lambda H, D: (), "headwise": lambda H, D: (H, 1, 1),
                       "elementwise": lambda H, D: (H, 1, D)}  # λ shapes, broadcast over (B, H, T, D)
 DYN_HIDDEN = 16  # width of the dynamic-mixing MLP (paper §3.6)
 INIT_STD = 0.02
+EOT = 50256  # GPT-2's <|endoftext|>: in the packed training windows, each one opens a new document
 
 
 class RMSNorm(nn.Module):
@@ -55,6 +57,34 @@ class Rotary(nn.Module):
         cos, sin = self.cos[:T].to(x.dtype), self.sin[:T].to(x.dtype)
         x1, x2 = x.chunk(2, dim=-1)
         return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+def document_mask(idx, flex=None):
+    """Document-causal mask for packed windows idx (B, T): a query sees the keys at or before it in its own
+    document, where each EOT opens a new one (the tokens before the first EOT are a document too).
+    flex (default: on CUDA) gives a FlexAttention BlockMask, whose kernel skips the blocks that cross
+    documents; otherwise a dense bool mask (B, 1, T, T) for SDPA (FlexAttention has no CPU backward)."""
+    B, T = idx.shape
+    doc = (idx == EOT).cumsum(-1)  # (B, T): document number of every token
+    if idx.is_cuda if flex is None else flex:
+        return create_block_mask(lambda b, h, q, k: (q >= k) & (doc[b, q] == doc[b, k]), B, None, T, T,
+                                 device=idx.device, _compile=idx.is_cuda)
+    causal = torch.ones(T, T, dtype=torch.bool, device=idx.device).tril()
+    return (causal & (doc[:, :, None] == doc[:, None, :]))[:, None]
+
+
+# FlexAttention is fast only when compiled (eager it materialises the scores): compiled once, reused per batch
+compiled_flex_attention = torch.compile(flex_attention, dynamic=False)
+
+
+def attention(q, k, v, mask):
+    """Causal attention (B, H, T, D) -> (B, H, T, D); mask: None (plain causal: flash SDPA on CUDA), a
+    BlockMask (FlexAttention) or a dense bool mask (SDPA), both from document_mask."""
+    if mask is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    if isinstance(mask, BlockMask):
+        return (compiled_flex_attention if q.is_cuda else flex_attention)(q, k, v, block_mask=mask)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
 class DynamicScale(nn.Module):
@@ -93,8 +123,9 @@ class CausalSelfAttention(nn.Module):
         # g the mixed gate logits (B, H, T, D) or None, scales the dynamic scales (2|mix|, B, 1, T, 1) or None.
         self.inspect = None
 
-    def forward(self, x, anchors):
-        # x (B, T, C), anchors {name: (B, H, T, D)} or None -> y (B, T, C), projections {name: (B, H, T, D)}
+    def forward(self, x, anchors, mask=None):
+        # x (B, T, C), anchors {name: (B, H, T, D)} or None, mask from document_mask or None
+        # -> y (B, T, C), projections {name: (B, H, T, D)}
         B, T, C = x.shape
         parts = self.c_attn(x).view(B, T, len(self.names), self.n_head, self.head_dim).transpose(1, 3)
         proj = dict(zip(self.names, parts.unbind(2)))  # each (B, H, T, D)
@@ -115,7 +146,7 @@ class CausalSelfAttention(nn.Module):
         q, k = self.rotary(q), self.rotary(k)
         if self.inspect is not None:
             self.inspect(q=q, k=k, g=proj.get("g"), scales=dyn)
-        y = F.scaled_dot_product_attention(q, k, proj["v"], is_causal=True)
+        y = attention(q, k, proj["v"], mask)
         if self.gate:  # Gated Attention (G1): elementwise sigmoid gate on the SDPA output
             y = y * torch.sigmoid(proj["g"])
         y = y.transpose(1, 2).reshape(B, T, C)
@@ -142,8 +173,8 @@ class Block(nn.Module):
         self.attn = CausalSelfAttention(config, mixing)
         self.mlp = MLP(config)
 
-    def forward(self, h, anchors):  # (B, T, C) -> (B, T, C), this layer's projections
-        a, proj = self.attn(self.ln_1(h), anchors)
+    def forward(self, h, anchors, mask=None):  # (B, T, C) -> (B, T, C), this layer's projections
+        a, proj = self.attn(self.ln_1(h), anchors, mask)
         h = h + a
         return h + self.mlp(self.ln_2(h)), proj
 
@@ -257,12 +288,15 @@ class GPT(nn.Module):
     def _norm_anchors(self, anchors):  # RMS-normalise the anchors that have their own norm
         return {s: self.anchor_norms[s](a) if s in self.anchor_norms else a for s, a in anchors.items()}
 
-    def features(self, idx):
+    def features(self, idx, doc_mask=False):
         """idx (B, T) int64 -> final hidden states (B, T, C), what lm_head turns into logits. A scorer
-        that needs a few positions only (eval.py) applies lm_head to those and saves the rest."""
+        that needs a few positions only (eval.py) applies lm_head to those and saves the rest.
+        doc_mask: False (plain causal attention), True (attention stays inside the documents of idx, see
+        document_mask), or a mask document_mask built already (train.py builds it outside torch.compile)."""
         B, T = idx.shape
         if T > self.config.block_size:
             raise ValueError(f"sequence length {T} exceeds block_size={self.config.block_size}")
+        mask = document_mask(idx) if doc_mask is True else (doc_mask if doc_mask is not False else None)
         h = self.wte(idx)
         anchors = None
         if self.anchor_proj is not None:  # Eq. 9: exogenous anchors, computed once from H0, shared by all layers
@@ -270,15 +304,15 @@ class GPT(nn.Module):
             parts = self.anchor_proj(h).view(B, T, -1, H, D).transpose(1, 3).unbind(2)
             anchors = self._norm_anchors(dict(zip(self.config.mixed, parts)))
         for i, block in enumerate(self.blocks):
-            h, proj = block(h, None if self.drop_anchor else anchors)
+            h, proj = block(h, None if self.drop_anchor else anchors, mask)
             if i == 0 and self.config.anchor == "internal":  # layer 1's projections anchor layers 2..L
                 anchors = self._norm_anchors({s: proj[s] for s in self.config.mixed})
         return self.ln_f(h)
 
-    def forward(self, idx, targets=None, with_z=False):
+    def forward(self, idx, targets=None, with_z=False, doc_mask=False):
         # idx (B, T) int64 -> logits (B, T, V), loss: mean cross-entropy or None
         # with_z=True adds a third value, mean(logsumexp(logits)²), for the z-loss (SPEC §2)
-        logits = self.lm_head(self.features(idx))
+        logits = self.lm_head(self.features(idx, doc_mask))
         if targets is None:
             return (logits, None, None) if with_z else (logits, None)
         logits32 = logits.float()

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from configurator import load_config
-from model import GPT, GPTConfig
+from model import EOT, GPT, GPTConfig, document_mask
 
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
 VARIANT_FILES = sorted(f for f in glob.glob(os.path.join(CONFIG_DIR, "*.py")) if not f.endswith("tiny.py"))
@@ -232,6 +232,67 @@ def test_causal(name, config):
         b, _ = model(changed)
     torch.testing.assert_close(a[:, :t], b[:, :t], rtol=0, atol=1e-6)
     assert not torch.allclose(a[:, t], b[:, t])  # the change is visible from position t on
+
+
+# ---------------------------------------------------------------- document masking
+
+FAMILIES = ["baseline", "gated", "resformer", "nuresformer_e", "exoformer_h", "dyn_exo"]
+
+
+def packed(config, starts, B=2, seed=0):
+    """Windows of GPT-2 ids with EOT at the given positions of row 0 (row 1: other positions)."""
+    idx = tokens(config, B, seed) % EOT  # no EOT but where we put them
+    idx[0, starts] = EOT
+    idx[1, [s + 3 for s in starts]] = EOT
+    return idx
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_doc_mask_equals_each_document_run_alone(name):
+    model = randomize(GPT(variant(name, vocab_size=50304))).eval()
+    T = model.config.block_size
+    starts = [5, 9, 20]  # documents [0,5) [5,9) [9,20) [20,T) in row 0; shifted by 3 in row 1
+    idx = packed(model.config, starts)
+    with torch.no_grad():
+        logits, _ = model(idx, doc_mask=True)
+        for row, cuts in ((0, starts), (1, [s + 3 for s in starts])):
+            for a, b in zip([0] + cuts, cuts + [T]):
+                alone, _ = model(idx[row:row + 1, a:b])  # positions 0..b-a-1: RoPE is relative
+                torch.testing.assert_close(logits[row, a:b], alone[0], rtol=1e-5, atol=1e-5 * alone.abs().max())
+        plain, _ = model(idx)
+    assert torch.equal(logits[:, :5], plain[:, :5])  # the first document sees nothing else either way
+    assert not torch.allclose(logits[:, 10:], plain[:, 10:], rtol=1e-3, atol=1e-3)  # later ones differ
+
+
+@pytest.mark.parametrize("name", ["dyn_exo", "nuresformer_e"])
+def test_flex_attention_path_equals_sdpa_mask_path(name):
+    model = randomize(GPT(variant(name, vocab_size=50304))).eval()
+    idx = packed(model.config, [3, 11, 17])
+    with torch.no_grad():  # FlexAttention has no CPU backward; its forward runs here
+        flex, _ = model(idx, doc_mask=document_mask(idx, flex=True))
+        dense, _ = model(idx, doc_mask=document_mask(idx, flex=False))
+    torch.testing.assert_close(flex, dense, rtol=1e-5, atol=1e-5)
+    assert torch.equal(dense, model(idx, doc_mask=True)[0])  # True builds the dense mask on CPU
+
+
+@pytest.mark.parametrize("name", ["gated", "dyn_exo"])
+def test_doc_mask_without_eot_inside_is_plain_causal(name):
+    model = randomize(GPT(variant(name, vocab_size=50304))).eval()
+    idx = tokens(model.config) % EOT
+    with torch.no_grad():
+        assert torch.equal(model(idx, doc_mask=True)[0], model(idx)[0])
+        idx[:, 0] = EOT  # an EOT opening the window starts the one document there is
+        assert torch.equal(model(idx, doc_mask=True)[0], model(idx)[0])
+
+
+def test_doc_mask_gradients_flow_and_compile_matches_eager():
+    model = randomize(GPT(variant("dyn_exo", vocab_size=50304)))
+    idx = packed(model.config, [4, 12, 25])
+    _, loss, z = model(idx[:, :-1], idx[:, 1:], with_z=True, doc_mask=True)
+    (loss + z).backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in model.parameters() if p.ndim > 0)
+    compiled = torch.compile(model, fullgraph=True)
+    torch.testing.assert_close(compiled(idx[:, :-1], idx[:, 1:], doc_mask=True)[1], loss, rtol=1e-5, atol=1e-5)
 
 
 # ---------------------------------------------------------------- equivalences on shared weights

@@ -62,6 +62,7 @@ DEFAULTS = dict(
     final_lr_frac=0.1,  # ... to 10% of the peak
     grad_clip=1.0,
     z_loss=1e-5,
+    doc_mask=True,  # attention stays inside each document of a window (each <|endoftext|> opens one), as the authors trained
     # system
     device=None,  # None: cuda if available, else cpu
     dtype=None,  # None: bfloat16 autocast on cuda (fp32 master weights), float32 on cpu
@@ -272,7 +273,7 @@ def evaluate(model, cfg, autocast, device, rank, world_size, max_tokens):
     for x, y in val_batches(cfg["data_dir"], cfg["batch_size"], cfg["block_size"], max_tokens, rank, world_size,
                             cfg["vocab_size"]):
         with autocast:
-            _, loss = model(x.to(device), y.to(device))
+            _, loss = model(x.to(device), y.to(device), doc_mask=cfg["doc_mask"])
         total += loss.float()
         n += 1
     if world_size > 1:
@@ -374,7 +375,7 @@ def main(argv):
             sync = contextlib.nullcontext() if (world_size == 1 or micro == accum - 1) else train_model.no_sync()
             with sync:
                 with autocast:
-                    _, loss, z = train_model(x, y, with_z=True)
+                    _, loss, z = train_model(x, y, with_z=True, doc_mask=cfg["doc_mask"])
                 ((loss + cfg["z_loss"] * z) / accum).backward()
             loss_sum += loss.detach()
         if world_size > 1:
@@ -409,6 +410,10 @@ def main(argv):
                 "step": step, "optimizers": [opt.state_dict() for opt in optimizers],
                 "loader": loader.state_dict(), "rng": rng_state()})
     if world_size > 1:
+        # Free DDP's reducer, and let every rank's gloo/NCCL work finish, while the group still exists:
+        # a group destroyed from the reducer's deallocation at exit can deadlock on the GIL with its workers
+        del train_model
+        dist.barrier()
         dist.destroy_process_group()
     return train_loss
 
