@@ -5,8 +5,9 @@ interleaved so that they share the machine's ups and downs, and compare with the
     python bench.py configs/gated.py configs/exoformer_e.py configs/dyn_exo.py --block_size=256 --batch_size=8
     python bench.py configs/gated.py configs/dyn_exo.py --n_layer=4 --n_embd=128 --n_head=4   # CPU size
 
-Each positional argument is one model; every --key=value (any train.py or model key, plus the bench
-keys below) applies to all of them. The first model is the reference of the ratio columns.
+Each positional argument is one model: files are not composed as in train.py, so give a size as
+--key=value. Every --key=value (any train.py or model key, plus the bench keys) applies to all models.
+The first model is the reference of the ratio columns.
 """
 import os
 import statistics
@@ -15,9 +16,9 @@ import time
 
 import torch
 
-from configurator import load_config
+from configurator import help_text, key_comments, load_config, wants_help
 from model import GPT, GPTConfig
-from train import ALL_DEFAULTS, MODEL_KEYS, configure_optimizers, optimizer_step, setup
+from train import ALL_DEFAULTS, MODEL_KEYS, configure_optimizers, help_sections, optimizer_step, setup
 
 BENCH_DEFAULTS = dict(
     steps=5,  # timed steps per model per round
@@ -41,6 +42,10 @@ def peak_memory(device, base):
 
 
 def main(argv):
+    if wants_help(argv):
+        print(help_text(__doc__, [("bench keys", BENCH_DEFAULTS, key_comments(__file__, "BENCH_DEFAULTS"))]
+                        + help_sections()))
+        return None
     files = [a for a in argv if not a.startswith("--")]
     overrides = [a for a in argv if a.startswith("--")]
     if not files:
