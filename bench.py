@@ -5,8 +5,9 @@ interleaved so that they share the machine's ups and downs, and compare with the
     python bench.py configs/gated.py configs/exoformer_e.py configs/dyn_exo.py --block_size=256 --batch_size=8
     python bench.py configs/gated.py configs/dyn_exo.py --n_layer=4 --n_embd=128 --n_head=4   # CPU size
 
-Each positional argument is one model; every --key=value (any train.py or model key, plus the bench
-keys below) applies to all of them. The first model is the reference of the ratio columns.
+Each positional argument is one model: files are not composed as in train.py, so give a size as
+--key=value. Every --key=value (any train.py or model key, plus the bench keys) applies to all models.
+The first model is the reference of the ratio columns.
 """
 import os
 import statistics
@@ -15,15 +16,17 @@ import time
 
 import torch
 
-from configurator import load_config
-from model import GPT, GPTConfig
-from train import ALL_DEFAULTS, MODEL_KEYS, configure_optimizers, optimizer_step, setup
+from configurator import help_text, key_comments, load_config, wants_help
+from model import EOT, GPT, GPTConfig
+from train import ALL_DEFAULTS, MODEL_KEYS, configure_optimizers, help_sections, optimizer_step, setup
 
 BENCH_DEFAULTS = dict(
     steps=5,  # timed steps per model per round
     rounds=3,  # rounds of interleaving; the median step time over all rounds is reported
     warmup=2,  # untimed steps per model first (compilation, allocator)
     optimizer=True,  # False: time forward + backward only (isolates the model's own cost)
+    doc_mask=False,  # True: time every model twice, with plain causal and with document-masked attention
+    doc_len=1000,  # mean document length of the synthetic tokens (an <|endoftext|> opens each document)
 )
 
 
@@ -41,6 +44,10 @@ def peak_memory(device, base):
 
 
 def main(argv):
+    if wants_help(argv):
+        print(help_text(__doc__, [("bench keys", BENCH_DEFAULTS, key_comments(__file__, "BENCH_DEFAULTS"))]
+                        + help_sections()))
+        return None
     files = [a for a in argv if not a.startswith("--")]
     overrides = [a for a in argv if a.startswith("--")]
     if not files:
@@ -58,21 +65,24 @@ def main(argv):
     print(f"{what}: {device}, {c0['dtype'] or 'auto'} dtype, compile={use_compile}, batch {B} x {T} tokens, "
           f"{c0['rounds']} rounds x {c0['steps']} steps (+{c0['warmup']} warmup)")
     g = torch.Generator().manual_seed(0)
-    data = torch.randint(0, c0["vocab_size"], (B, T + 1), generator=g).to(device)
-    x, y = data[:, :-1], data[:, 1:]
+    data = torch.randint(0, EOT, (B, T + 1), generator=g)
+    data[torch.rand(B, T + 1, generator=g) < 1 / c0["doc_len"]] = EOT  # documents of doc_len tokens on average
+    x, y = data[:, :-1].to(device), data[:, 1:].to(device)
 
     runs = []
     for f, cfg, model in zip(files, cfgs, models):  # built one after another: peak memory is per model
-        base = peak_memory_reset(device)
-        torch.manual_seed(cfg["seed"])
-        model = model.to(device)
-        optimizers = configure_optimizers(model, cfg) if cfg["optimizer"] else None
-        run = dict(name=os.path.basename(f)[:-3], model=model, cfg=cfg, optimizers=optimizers, times=[],
-                   fwd=torch.compile(model) if use_compile else model)
-        for _ in range(cfg["warmup"]):
-            step(run, x, y, autocast, device)
-        run["memory"] = peak_memory(device, base)
-        runs.append(run)
+        for doc_mask in (False, True) if cfg["doc_mask"] else (False,):
+            base = peak_memory_reset(device)
+            torch.manual_seed(cfg["seed"])
+            model = model.to(device)
+            optimizers = configure_optimizers(model, cfg) if cfg["optimizer"] else None
+            run = dict(name=os.path.basename(f)[:-3] + ("+doc_mask" if doc_mask else ""), model=model, cfg=cfg,
+                       optimizers=optimizers, times=[], doc_mask=doc_mask,
+                       fwd=torch.compile(model) if use_compile else model)
+            for _ in range(cfg["warmup"]):
+                step(run, x, y, autocast, device)
+            run["memory"] = peak_memory(device, base)
+            runs.append(run)
     for _ in range(c0["rounds"]):
         for run in runs:
             for _ in range(run["cfg"]["steps"]):
@@ -97,7 +107,7 @@ def step(run, x, y, autocast, device):
         torch.cuda.synchronize()
     t0 = time.perf_counter()
     with autocast:
-        _, loss, z = run["fwd"](x, y, with_z=True)
+        _, loss, z = run["fwd"](x, y, with_z=True, doc_mask=run["doc_mask"])
     (loss + run["cfg"]["z_loss"] * z).backward()
     if run["cfg"]["optimizer"]:
         optimizer_step(run["model"], run["optimizers"], run["cfg"])

@@ -30,3 +30,18 @@ def enc(enc_file):
     """The test encoding: GPT-2 pattern, test ranks, `<|endoftext|>` right after them."""
     from data import load_encoding  # imported here so that model tests do not need data.py
     return load_encoding(enc_file)
+
+
+@pytest.fixture
+def offline(tmp_path, monkeypatch):
+    """No internet, for real: every requests.get goes to a closed port on 127.0.0.1 (connection refused),
+    and tiktoken's cache is an empty folder (so its `gpt2` vocabulary must be downloaded, and fails)."""
+    import socket
+
+    import requests
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed when the block ends: nothing listens there
+    real_get = requests.get
+    monkeypatch.setattr(requests, "get", lambda url, *a, **k: real_get(f"http://127.0.0.1:{port}/", *a, **k))
+    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path / "tiktoken_cache"))

@@ -9,6 +9,7 @@ import glob
 import os
 
 import numpy as np
+import requests
 import tiktoken
 import torch
 from tiktoken.load import load_tiktoken_bpe
@@ -18,9 +19,15 @@ GPT2_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|
 
 def load_encoding(path=None):
     """GPT-2 BPE. With `path`, read the ranks from a local `.tiktoken` file (offline clusters, tests);
-    the pattern and `<|endoftext|>` (placed right after the ranks, 50256 for GPT-2) are GPT-2's."""
+    the pattern and `<|endoftext|>` (placed right after the ranks, 50256 for GPT-2) are GPT-2's.
+    Every tool loads its tokenizer here, so the offline hint below is the same everywhere."""
     if path is None:
-        return tiktoken.get_encoding("gpt2")
+        try:
+            return tiktoken.get_encoding("gpt2")
+        except (OSError, requests.RequestException) as e:  # tiktoken downloads 'gpt2' on first use
+            raise ValueError(f"tiktoken could not download its gpt2 vocabulary ({type(e).__name__}); offline, "
+                             f"pass --tokenizer PATH to a copy of GPT-2's r50k_base.tiktoken (README: "
+                             f"Offline use of the tokenizer)") from None
     try:
         ranks = load_tiktoken_bpe(str(path))
     except Exception as e:
@@ -163,6 +170,7 @@ class DataLoader:
     training starts. Gradient accumulation: A calls for A micro-steps read the same tokens as A
     ranks would, except near a shard's end (each call checks that its own window fits). For exact
     equality everywhere, ask for batch_size=A*B once per step and split the rows into A chunks.
+    `epoch` counts the passes over the data (1 on the first); `tokens_per_epoch` is what one pass reads.
     """
 
     def __init__(self, data_dir, batch_size, block_size, rank=0, world_size=1, vocab_size=50304):
@@ -174,7 +182,9 @@ class DataLoader:
         if not any(self._fits(i, 0) for i in range(len(self.files))):
             raise ValueError(f"{data_dir}: every train shard is shorter than one global batch of "
                              f"{self.window} + 1 tokens (world_size*batch_size*block_size + 1)")
-        self.shard, self.pos, self.tokens = 0, 0, None
+        self.shard, self.pos, self.tokens, self.epoch = 0, 0, None, 1
+        # every window that fits, shard by shard (the tail of each shard is skipped)
+        self.tokens_per_epoch = self.window * sum(max(0, (n - 1) // self.window) for n in self.ntoks)
 
     def _fits(self, shard, pos):
         return pos + self.window + 1 <= self.ntoks[shard]
@@ -182,6 +192,7 @@ class DataLoader:
     def next_batch(self):
         while not self._fits(self.shard, self.pos):  # skip the tail and any too-short shard
             self.shard, self.pos, self.tokens = (self.shard + 1) % len(self.files), 0, None
+            self.epoch += self.shard == 0  # wrapped around: the data repeats from here
         if self.tokens is None:
             self.tokens = open_shard(self.files[self.shard])
         x, y = _window(self.tokens, self.pos, self.rank, self.B, self.T)
@@ -191,7 +202,7 @@ class DataLoader:
     def state_dict(self):
         """Where the next batch starts: the same on every rank, so rank 0 can save it for all."""
         return {"shard": self.shard, "pos": self.pos, "window": self.window,
-                "num_shards": len(self.files)}
+                "num_shards": len(self.files), "epoch": self.epoch}
 
     def load_state_dict(self, state):
         # Only the global window must match: B, T or the number of ranks may change (e.g. 8 GPUs
@@ -204,7 +215,8 @@ class DataLoader:
         shard, pos = int(state["shard"]), int(state["pos"])
         if not (0 <= shard < len(self.files) and 0 <= pos <= self.ntoks[shard]):
             raise ValueError(f"data loader state (shard {shard}, pos {pos}) is outside the data")
-        self.shard, self.pos, self.tokens = shard, pos, None
+        # a state saved before epochs were counted has none: call it the first
+        self.shard, self.pos, self.tokens, self.epoch = shard, pos, None, int(state.get("epoch", 1))
 
 
 def val_batches(data_dir, batch_size, block_size, max_tokens=None, rank=0, world_size=1,

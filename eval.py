@@ -26,6 +26,7 @@ import requests
 import torch
 import torch.nn.functional as F
 from tqdm import tqdm
+from urllib3.exceptions import NewConnectionError
 
 from data import atomic_write, load_encoding
 from model import load_model
@@ -266,17 +267,30 @@ def evaluate_task(task, docs, pool, enc, model, shots=5, batch_size=32, dtype=to
 
 BASE_URL = "https://datasets-server.huggingface.co"
 PAGE = 100  # rows per request: the API's maximum
-RETRIES = 6  # retries per page on 429, 5xx, timeouts and dropped connections
+RETRIES = 6  # retries per page on 429, 5xx, timeouts and dropped connections (not on unreachable hosts)
 RETRY_DELAY = 2.0  # seconds before the first retry, doubled after each (tests set it to ~0)
 TIMEOUT = 60  # seconds per request
 
 
+def cannot_connect(e):
+    """The reason when no connection could be made at all (the name does not resolve, the port refuses):
+    offline, retrying only waits. None for what can recover: timeouts, connections cut mid-answer."""
+    reason = getattr(e.args[0], "reason", None) if e.args and not isinstance(e, requests.Timeout) else None
+    if isinstance(reason, NewConnectionError):  # NameResolutionError is one too
+        return f"{type(reason).__name__}: {str(reason).split('>: ', 1)[-1]}"  # drop urllib3's object repr
+    return None
+
+
 def get_json(url, params):
-    """GET url?params as JSON, retrying with exponential backoff on 429, 5xx and network errors."""
+    """GET url?params as JSON, retrying with exponential backoff on 429, 5xx, timeouts and cut connections;
+    a host that cannot be reached at all fails at once."""
     for attempt in range(RETRIES + 1):
         try:
             r = requests.get(url, params=params, timeout=TIMEOUT)
         except (requests.ConnectionError, requests.Timeout, requests.exceptions.ChunkedEncodingError) as e:
+            reason = cannot_connect(e)
+            if reason:
+                raise ConnectionError(f"{url}: cannot connect ({reason})") from None
             why = type(e).__name__
         else:
             if r.status_code == 200:
@@ -358,7 +372,12 @@ def load_split(task, which, data_dir="data/eval", base_url=BASE_URL, progress=Tr
     split, expected = (t.split, t.rows) if which == "eval" else (t.pool_split, t.pool_rows)
     path = os.path.join(data_dir, task, f"{split}.jsonl")
     if not os.path.exists(path):
-        rows = download_split(base_url, t.repo, t.config, split, expected, f"{task}/{split}" if progress else None)
+        try:
+            rows = download_split(base_url, t.repo, t.config, split, expected,
+                                  f"{task}/{split}" if progress else None)
+        except ConnectionError as e:
+            raise ConnectionError(f"{e}; without internet, copy {data_dir} from a machine where eval.py ran "
+                                  f"once (README: Data, and running offline)") from None
         write_jsonl(path, rows)
     rows = read_jsonl(path, t.fields)
     if len(rows) != expected:

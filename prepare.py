@@ -350,11 +350,7 @@ def tokenize(paths, data_dir, name=None, shard_tokens=10**8, val_tokens=10**7, w
     if existing:
         raise ValueError(f"{data_dir}: already holds {name}_*.bin shards "
                          f"({os.path.basename(existing[0])}, ...); remove them or choose another --name")
-    try:  # in the main process too: a bad --tokenizer fails right here, before any work
-        enc = load_encoding(tokenizer)
-    except (OSError, requests.RequestException) as e:  # tiktoken fetches 'gpt2' on first use
-        raise ValueError(f"tiktoken could not fetch its gpt2 encoding ({type(e).__name__}); offline, "
-                         f"pass --tokenizer PATH to a GPT-2 .tiktoken ranks file") from None
+    enc = load_encoding(tokenizer)  # in the main process too: a bad --tokenizer fails here, before any work
     if enc.n_vocab > 2**16:
         raise ValueError(f"{tokenizer}: {enc.n_vocab} tokens do not fit the uint16 shard format")
 

@@ -1,7 +1,7 @@
 """Tests of configurator.py: config files in order, then --key=value overrides, with clear errors."""
 import pytest
 
-from configurator import load_config
+from configurator import help_text, key_comments, load_config, read_args
 
 DEFAULTS = dict(n_layer=12, lr=0.01, compile=True, anchor="none", out_dir="out")
 
@@ -50,3 +50,33 @@ def test_wrong_type_in_file(tmp_path):
     a = write(tmp_path, "a.py", "compile = 'yes'\n")
     with pytest.raises(ValueError, match=r"a\.py: compile='yes' is str, expected bool"):
         load_config([a], DEFAULTS)
+
+
+def test_read_args_returns_only_what_was_set(tmp_path):
+    """What the files and overrides set, even to a default's value: train.py tells a given model key
+    (which must agree with a checkpoint) from one left at its default."""
+    a = write(tmp_path, "a.py", "n_layer = 12\nanchor = 'exo'\n")
+    assert read_args([a, "--lr=2"], DEFAULTS) == dict(n_layer=12, anchor="exo", lr=2.0)
+    assert read_args([], DEFAULTS) == {}
+
+
+def test_help_is_read_from_the_comments_next_to_the_defaults(tmp_path):
+    path = write(tmp_path, "tool.py", """
+x = 1  # not part of DEFAULTS
+DEFAULTS = dict(
+    # a section comment
+    lr=0.01,  # peak learning rate
+    out_dir="out#1",  # where '#' in a value is no comment
+    seed=42,
+)
+
+
+class Config:
+    \"\"\"n_layer = 3  # in a docstring: not a field\"\"\"
+    n_layer: int = 3  # transformer blocks
+""")
+    assert key_comments(path, "DEFAULTS") == {"lr": "peak learning rate", "out_dir": "where '#' in a value is no comment"}
+    assert key_comments(path, "Config") == {"n_layer": "transformer blocks"}
+    text = help_text("usage: tool.py", [("keys", dict(lr=0.01, out_dir="out#1", seed=42), key_comments(path, "DEFAULTS"))])
+    assert text.splitlines() == ["usage: tool.py", "", "keys:", "  lr = 0.01          peak learning rate",
+                                 "  out_dir = 'out#1'  where '#' in a value is no comment", "  seed = 42"]

@@ -21,6 +21,16 @@ def make_shard(path, tokens, magic=20240520, version=1, ntok=None, cut=0):
     return str(path)
 
 
+# ---------------------------------------------------------------- tokenizer
+
+def test_default_tokenizer_offline_says_what_to_do(offline):
+    with pytest.raises(ValueError) as e:
+        data.load_encoding()
+    msg = str(e.value)
+    assert "could not download its gpt2 vocabulary (ConnectionError)" in msg and "--tokenizer PATH" in msg
+    assert "\n" not in msg and "HTTPConnectionPool" not in msg
+
+
 # ---------------------------------------------------------------- format
 
 def test_write_shard_bytes_match_the_format(tmp_path):
@@ -116,6 +126,23 @@ def test_batches_are_the_exact_windows(stream):
     # 8 tokens per batch (+1 target): shard 1 fits starts 0..80 (80+9 <= 96 < 88+9), shard 2
     # starts 1000..1040 (40+9 <= 50), then back to shard 1.
     assert starts == list(range(0, 81, 8)) + list(range(1000, 1041, 8)) + [0, 8, 16, 24]
+
+
+def test_epochs_are_counted_at_each_wrap_around(stream):
+    loader = DataLoader(stream, batch_size=2, block_size=4, vocab_size=5000)
+    assert loader.tokens_per_epoch == 8 * (11 + 6)  # the windows that fit: 11 in shard 1, 6 in shard 2
+    epochs = []
+    for _ in range(40):
+        loader.next_batch()
+        epochs.append(loader.epoch)
+    assert epochs == [1] * 17 + [2] * 17 + [3] * 6  # the 18th and 35th batches start the data again
+    assert loader.state_dict()["epoch"] == 3
+    resumed = DataLoader(stream, batch_size=2, block_size=4, vocab_size=5000)
+    resumed.load_state_dict(loader.state_dict())
+    assert resumed.epoch == 3
+    old = {k: v for k, v in loader.state_dict().items() if k != "epoch"}  # saved before epochs were counted
+    resumed.load_state_dict(old)
+    assert resumed.epoch == 1 and (resumed.next_batch()[0] == loader.next_batch()[0]).all()
     for _ in range(5):
         x, y = loader.next_batch()
         assert (y[:, :-1] == x[:, 1:]).all() and (y[0, -1] == x[1, 0]).all()
@@ -210,6 +237,7 @@ def test_loader_skips_short_shards_and_rejects_all_short(tmp_path):
     make_shard(tmp_path / "d_train_000002.bin", np.arange(100, 120))
     loader = DataLoader(tmp_path, 2, 4, vocab_size=5000)
     assert [loader.next_batch()[0][0, 0].item() for _ in range(3)] == [100, 108, 100]
+    assert loader.epoch == 2 and loader.tokens_per_epoch == 16  # skipping shard 1 at the start is no wrap
     with pytest.raises(ValueError, match="shorter than one global batch of 32"):
         DataLoader(tmp_path, 4, 4, world_size=2, vocab_size=5000)
 

@@ -7,6 +7,7 @@ import json
 import math
 import os
 import random
+import socket
 import subprocess
 import sys
 import threading
@@ -369,7 +370,8 @@ def test_evaluate_task_equals_direct_scoring(enc):
 
 class FakeAPI:
     """/rows?dataset&config&split&offset&length on 127.0.0.1, fed by the test; `fail` is a list of
-    HTTP statuses answered (in order) before the real pages; every request is logged."""
+    HTTP statuses answered (in order) before the real pages, None hanging up without an answer (a cut
+    connection); every request is logged."""
 
     def __init__(self):
         self.splits, self.fail, self.log, self.truncate_at, self.total = {}, [], [], None, None
@@ -382,7 +384,8 @@ class FakeAPI:
                 q = dict(urllib.parse.parse_qsl(url.query))
                 api.log.append((url.path, q))
                 if api.fail:
-                    return self.reply(api.fail.pop(0), {"error": "try later"})
+                    status = api.fail.pop(0)
+                    return None if status is None else self.reply(status, {"error": "try later"})
                 key = (q.get("dataset"), q.get("config"), q.get("split"))
                 if url.path != "/rows" or key not in api.splits:
                     return self.reply(404, {"error": "Not found."})
@@ -431,10 +434,10 @@ def test_download_pages_retries_and_cache(api, tmp_path, monkeypatch):
     test_rows, train_rows = obqa_rows(500), obqa_rows(4957)  # the table's row counts
     api.splits[("allenai/openbookqa", "main", "test")] = test_rows
     api.splits[("allenai/openbookqa", "main", "train")] = train_rows
-    api.fail = [429, 503]
+    api.fail = [429, None, 503]  # all three can recover: retried
     rows = ev.load_split("openbookqa", "eval", str(tmp_path), api.url, progress=False)
     assert rows == test_rows
-    assert [q["offset"] for _, q in api.log] == ["0", "0", "0", "100", "200", "300", "400"]
+    assert [q["offset"] for _, q in api.log] == ["0", "0", "0", "0", "100", "200", "300", "400"]
     assert all(p == "/rows" and q["length"] == "100" and q["split"] == "test" for p, q in api.log)
     path = tmp_path / "openbookqa" / "test.jsonl"
     assert [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()] == test_rows
@@ -482,6 +485,28 @@ def test_download_errors_are_clear(api, tmp_path):
     api.fail = [500] * 4
     with pytest.raises(ConnectionError, match="giving up after 4 tries \\(HTTP 500"):
         ev.download_split(api.url, "r", "c", "s", 3)
+
+
+@pytest.mark.parametrize("where", ["refused", "no such host"])
+def test_unreachable_server_fails_at_once_with_the_offline_hint(where, tmp_path, monkeypatch):
+    """No connection at all (offline): no retries, no waiting, and the way out."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        closed = f"http://127.0.0.1:{s.getsockname()[1]}"
+    url = closed if where == "refused" else "http://nonexistent.invalid"
+    monkeypatch.setattr(ev.time, "sleep", lambda s: pytest.fail(f"slept {s}s before retrying"))
+    with pytest.raises(ConnectionError) as e:
+        ev.load_split("piqa", "eval", str(tmp_path / "eval"), url, progress=False)
+    msg = str(e.value)
+    assert msg.startswith(f"{url}/rows: cannot connect (") and "\n" not in msg
+    assert ("Connection refused" if where == "refused" else "nonexistent.invalid") in msg
+    assert f"copy {tmp_path / 'eval'} from a machine where eval.py ran once" in msg
+
+
+def test_cli_offline_without_tokenizer_says_what_to_do(offline):
+    with pytest.raises(SystemExit) as e:
+        ev.main(["out/ckpt.pt"])
+    assert "could not download its gpt2 vocabulary" in str(e.value) and "--tokenizer PATH" in str(e.value)
 
 
 def test_cached_file_is_checked(tmp_path):

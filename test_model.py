@@ -1,24 +1,36 @@
 """Tests of model.py: parameter counts, causality, the paper's equivalences, training signal, compile."""
 import glob
 import io
+import math
 import os
 import re
-from dataclasses import asdict, replace
+import shutil
+import subprocess
+import sys
+from dataclasses import replace
 
 import pytest
 import torch
 
 from configurator import load_config
-from model import EOT, GPT, GPTConfig, document_mask
+from model import EOT, GPT, GRANULARITY_SHAPES, GPTConfig, document_mask
+from train import ALL_DEFAULTS, MODEL_KEYS
 
-CONFIG_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
+ROOT = os.path.dirname(os.path.abspath(__file__))
+CONFIG_DIR = os.path.join(ROOT, "configs")
+# Every file in configs/ gets the generic tests (counts, reference, causality, gradients), a fork's new one too;
+# the paper's variants, a fixed list, are also checked against README.md's table.
 VARIANT_FILES = sorted(f for f in glob.glob(os.path.join(CONFIG_DIR, "*.py")) if not f.endswith("tiny.py"))
-DEFAULTS = asdict(GPTConfig())
+PAPER_VARIANTS = ["baseline", "gated", "resformer", "nuresformer_s", "nuresformer_h", "nuresformer_e",
+                  "exoformer_s", "exoformer_h", "exoformer_e", "dyn_exo", "exoformer_e_nonorm",
+                  "nuresformer_e_nonorm", "nkqr_e", "gated_1b", "dyn_exo_1b"]
 TINY = dict(n_layer=3, n_embd=32, n_head=2, block_size=32, vocab_size=64)
 
 
 def file_config(path, **overrides):
-    return GPTConfig(**{**load_config([path], DEFAULTS), **overrides})
+    """The model of a config file (which may set training keys too, as train.py allows)."""
+    config = load_config([path], ALL_DEFAULTS)
+    return GPTConfig(**{**{k: config[k] for k in MODEL_KEYS}, **overrides})
 
 
 def variant(name, **size):
@@ -85,7 +97,7 @@ def spec_param_count(c):
     D, m = C // H, len(c.mix)
     total = L * (2 * C + 2 * D + 10 * C * C + (C * C if c.gate else 0)) + 2 * V * C + C
     mixing_layers = {"none": 0, "internal": L - 1, "exo": L}[c.anchor]
-    total += mixing_layers * 2 * m * {"scalar": 1, "headwise": H, "elementwise": C}[c.granularity]
+    total += mixing_layers * 2 * m * math.prod(GRANULARITY_SHAPES[c.granularity](H, D))  # values per λ
     if c.anchor == "exo":
         total += m * C * C + (m * D if c.anchor_norm else 0)
     if c.anchor == "internal" and c.anchor_norm:
@@ -109,6 +121,8 @@ def test_param_count_spec_examples():
                   for name in ("gated", "dyn_exo", "gated_1b", "dyn_exo_1b")}
     assert counts == {"gated": 437_582_464, "dyn_exo": 442_493_672,
                       "gated_1b": 985_112_064, "dyn_exo_1b": 995_733_632}
+    H, D = 16, 64  # the paper's granularities: one λ value, one per head, one per element
+    assert [math.prod(GRANULARITY_SHAPES[g](H, D)) for g in ("scalar", "headwise", "elementwise")] == [1, H, H * D]
 
 
 def test_config_files_name_their_variant():
@@ -123,9 +137,8 @@ def test_config_files_name_their_variant():
     assert not c["exoformer_e_nonorm"].anchor_norm and c["exoformer_e"].anchor_norm
     assert (c["nkqr_e"].mix, c["nkqr_e"].anchor_norm) == ("vg", False)
     assert (c["dyn_exo_1b"].n_embd, c["dyn_exo_1b"].n_layer) == (1536, 32)
-    tiny = GPTConfig(**load_config([os.path.join(CONFIG_DIR, "dyn_exo.py"), os.path.join(CONFIG_DIR, "tiny.py")],
-                                   DEFAULTS))
-    assert tiny.dynamic and (tiny.n_layer, tiny.n_embd, tiny.block_size) == (4, 128, 256)
+    tiny = load_config([os.path.join(CONFIG_DIR, "dyn_exo.py"), os.path.join(CONFIG_DIR, "tiny.py")], ALL_DEFAULTS)
+    assert tiny["dynamic"] and [tiny[k] for k in ("n_layer", "n_embd", "n_head", "block_size")] == [4, 128, 4, 256]
 
 
 def test_init():
@@ -166,9 +179,10 @@ def reference_logits(model, idx):
     def rope(x):  # rotate-half: x * cos + (-x2, x1) * sin
         return x * cos + torch.cat([-x[..., D // 2:], x[..., :D // 2]], -1) * sin
 
-    def lam(name):  # (), (H,) or (H, D), broadcast over (B, H, T, D)
+    def lam(name):  # stored in its broadcast shape over (B, H, T, D): (), (H, 1, 1), (H, 1, D), ...
         p = P[name]
-        return p if p.numel() == 1 else p.reshape(H, 1, -1)
+        assert torch.broadcast_shapes(p.shape, (B, H, T, D)) == (B, H, T, D), (name, p.shape)
+        return p
 
     def anchor_norm(s, a):
         return rms(a, P[f"anchor_norms.{s}.weight"]) if c.anchor_norm and s not in "qk" else a
@@ -486,14 +500,37 @@ def test_bad_config_raises_at_construction(kwargs, words):
 
 
 def test_readme_variant_table_is_true():
-    """The parameter column of README.md's variant table is what the config files build."""
-    readme = open(os.path.join(os.path.dirname(CONFIG_DIR), "README.md")).read()
-    rows = re.findall(r"^\|[^|]*\| `(\w+)\.py` \|.*\| ([\d,]+) \|$", readme, flags=re.M)
-    assert sorted(name for name, _ in rows) == sorted(os.path.basename(f)[:-3] for f in VARIANT_FILES)
-    for name, count in rows:
+    """README.md's variant table has a row for each of the paper's variants, with the parameter count its
+    config file builds (a fork's new config file needs no row)."""
+    readme = open(os.path.join(ROOT, "README.md")).read()
+    rows = dict(re.findall(r"^\|[^|]*\| `(\w+)\.py` \|.*\| ([\d,]+) \|$", readme, flags=re.M))
+    for name in PAPER_VARIANTS:
+        assert name in rows, f"README.md: the variant table has no row for configs/{name}.py"
         with torch.device("meta"):
-            model = GPT(file_config(os.path.join(CONFIG_DIR, name + ".py")))
-        assert model.num_params() == int(count.replace(",", "")), name
+            n = GPT(file_config(os.path.join(CONFIG_DIR, name + ".py"))).num_params()
+        assert n == int(rows[name].replace(",", "")), \
+            f"README.md: configs/{name}.py builds {n:,} parameters, the table says {rows[name]}"
+    assert set(rows) <= set(PAPER_VARIANTS), f"README.md: rows for unknown files {set(rows) - set(PAPER_VARIANTS)}"
+
+
+def test_a_forked_variant_passes_the_generic_tests(tmp_path):
+    """A fork that adds a granularity (one line in GRANULARITY_SHAPES) and a config file using it, with a
+    training key in it too, runs the generic tests on it and passes them; README.md needs no change."""
+    for name in ("model.py", "configurator.py", "data.py", "train.py", "conftest.py", "pytest.ini",
+                 "test_model.py", "README.md"):
+        shutil.copy(os.path.join(ROOT, name), tmp_path / name)
+    shutil.copytree(CONFIG_DIR, tmp_path / "configs")
+    model_py = (tmp_path / "model.py").read_text()
+    assert "GRANULARITY_SHAPES = {" in model_py
+    (tmp_path / "model.py").write_text(model_py.replace(
+        "GRANULARITY_SHAPES = {", 'GRANULARITY_SHAPES = {"channelwise": lambda H, D: (1, 1, D), ', 1))
+    (tmp_path / "configs" / "fork_c.py").write_text(
+        "gate = True\nanchor = 'exo'\nmix = 'qkvg'\ngranularity = 'channelwise'\nanchor_norm = True\n"
+        "n_layer = 29\nmax_steps = 1000\n")
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_model.py",
+                        "-k", "fork_c or readme"], cwd=tmp_path, capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert re.search(r"\b6 passed", r.stdout), r.stdout[-1000:]
 
 
 @pytest.mark.parametrize("name", ["gated", "dyn_exo", "baseline"])

@@ -15,7 +15,7 @@ import torch.multiprocessing as mp
 
 import train
 from data import write_shard
-from model import load_checkpoint
+from model import EOT, load_checkpoint
 from train import DEFAULTS, Muon, lr_multiplier, muon_momentum, polar_express
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
@@ -38,6 +38,22 @@ def data_dir(tmp_path_factory):
     write_shard(d / "toy_train_000001.bin", tokens[4000:22000])
     write_shard(d / "toy_train_000002.bin", tokens[22000:])
     return str(d)
+
+
+@pytest.fixture(scope="module")
+def doc_data_dir(tmp_path_factory):
+    """The toy language with GPT-2's vocabulary: each sentence opened by <|endoftext|>, as in real shards,
+    so that doc_mask (on by default) has documents to keep apart: 2 or 3 per 32-token window."""
+    rng = np.random.default_rng(1)
+    sentences = rng.integers(1, 256, size=(40, 12))
+    tokens = np.concatenate([np.concatenate([[EOT], sentences[i]]) for i in rng.integers(0, 40, size=600)])
+    d = tmp_path_factory.mktemp("doc_shards")
+    write_shard(d / "docs_val_000000.bin", tokens[:1500])
+    write_shard(d / "docs_train_000001.bin", tokens[1500:])
+    return str(d)
+
+
+DOCS = [f"--vocab_size={EOT + 48}"]  # 50304: the model must know <|endoftext|>
 
 
 def run_cli(args, check=True, cwd=ROOT):
@@ -197,6 +213,27 @@ def test_every_parameter_in_exactly_one_optimizer_group():
             "anchor_norms.v.weight", "blocks.1.attn.q_norm.weight"} <= adam_names
 
 
+def test_optimizers_route_by_role_not_by_shape():
+    """A fork's extra 2-D parameter (a λ matrix, a table) is not a linear layer: AdamW, not Muon. A linear
+    layer it adds inside the network goes to Muon. The start-up line counts what each optimiser holds."""
+    from model import GPT, GPTConfig
+    model = GPT(GPTConfig(n_layer=2, n_embd=32, n_head=2, vocab_size=64, block_size=16, gate=True,
+                          anchor="exo", mix="v", granularity="elementwise"))
+    muon_before = len(train.configure_optimizers(model, DEFAULTS)[0].param_groups[0]["params"])
+    model.blocks[0].attn.register_parameter("lam_table", torch.nn.Parameter(torch.ones(2, 32)))  # 2-D
+    model.blocks[1].extra = torch.nn.Linear(32, 32, bias=False)
+    muon, adam = train.configure_optimizers(model, DEFAULTS)
+    in_muon = {id(p) for g in muon.param_groups for p in g["params"]}
+    in_adam = {id(p) for g in adam.param_groups for p in g["params"]}
+    assert id(model.blocks[0].attn.lam_table) in in_adam and id(model.blocks[0].attn.lam_table) not in in_muon
+    assert id(model.blocks[1].extra.weight) in in_muon and len(in_muon) == muon_before + 1
+    assert in_muon | in_adam == {id(p) for p in model.parameters()} and not in_muon & in_adam
+    n_muon = sum(model.get_parameter(n).numel() for n, p in model.named_parameters() if id(p) in in_muon)
+    assert train.describe_optimizers([muon, adam]) == (
+        f"optimisers: Muon {len(in_muon)} tensors ({n_muon:,} parameters), AdamW {len(in_adam)} tensors "
+        f"({model.num_params() - n_muon:,} parameters)")
+
+
 # ----------------------------------------------------------------------------- DDP
 
 def test_ddp_two_processes_equal_one_process_with_twice_the_accumulation(data_dir, tmp_path):
@@ -227,8 +264,10 @@ class Stop(Exception):
     pass
 
 
-def test_resume_is_bitwise_identical(data_dir, tmp_path, monkeypatch):
-    common = SMALL + [f"--data_dir={data_dir}", "--max_steps=6", "--ckpt_interval=3"]
+@pytest.mark.parametrize("data", ["data_dir", "doc_data_dir"])
+def test_resume_is_bitwise_identical(data, tmp_path, monkeypatch, request):
+    extra = DOCS if data == "doc_data_dir" else []
+    common = SMALL + extra + [f"--data_dir={request.getfixturevalue(data)}", "--max_steps=6", "--ckpt_interval=3"]
     straight = str(tmp_path / "straight")
     train.main(common + [f"--out_dir={straight}"])
     # the second run stops right after its step-3 checkpoint, as if killed there, then resumes
@@ -260,6 +299,23 @@ def test_resume_is_bitwise_identical(data_dir, tmp_path, monkeypatch):
     assert read_log(resumed, configs=True)[1]["config"]["init_from"] == "resume"
 
 
+def test_doc_mask_is_in_effect_and_kept_on_resume(doc_data_dir, tmp_path):
+    common = SMALL + DOCS + [f"--data_dir={doc_data_dir}", "--max_steps=4", "--ckpt_interval=2"]
+    masked, plain = str(tmp_path / "masked"), str(tmp_path / "plain")
+    train.main(common + [f"--out_dir={masked}"])  # doc_mask=True is the default
+    train.main(common + [f"--out_dir={plain}", "--doc_mask=False"])
+    lm, lp = read_log(masked), read_log(plain)
+    assert lm[0]["val_loss"] == lp[0]["val_loss"]  # zero-initialised output layers: every logit is 0 at step 0
+    assert lm[-1]["train_loss"] < lm[1]["train_loss"]  # it trains
+    assert lm[-1]["train_loss"] != lp[-1]["train_loss"] and lm[-1]["val_loss"] != lp[-1]["val_loss"]
+    assert load_checkpoint(f"{plain}/ckpt.pt")["config"]["doc_mask"] is False
+    # resuming without the key keeps the checkpoint's masking; an override wins
+    train.main(common + [f"--out_dir={plain}", "--init_from=resume", "--max_steps=6"])
+    assert read_log(plain, configs=True)[-1]["config"]["doc_mask"] is False
+    assert train.main(common + [f"--out_dir={plain}", "--eval_only=True"]) != \
+        train.main(common + [f"--out_dir={plain}", "--eval_only=True", "--doc_mask=True"])
+
+
 def test_sigkill_mid_run_resumes_from_last_checkpoint_and_finishes(data_dir, tmp_path):
     common = SMALL + [f"--data_dir={data_dir}", "--max_steps=40", "--ckpt_interval=5"]
     straight = str(tmp_path / "straight")
@@ -283,6 +339,31 @@ def test_sigkill_mid_run_resumes_from_last_checkpoint_and_finishes(data_dir, tmp
     for k in a["model"]:
         assert torch.equal(a["model"][k], b["model"][k]), k
     assert [e["step"] for e in read_log(out)] == [e["step"] for e in read_log(straight)]
+
+
+def test_resume_takes_the_model_from_the_checkpoint(data_dir, tmp_path):
+    """A checkpoint written before a GPTConfig field existed means that field's default; resume and eval_only
+    need no variant files; a model key that is given must agree with the checkpoint."""
+    common = [f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--batch_size=2", "--total_batch_size=128",
+              "--warmup_steps=2", "--eval_tokens=256", "--eval_interval=100", "--muon_momentum_steps=2"]
+    model = ["configs/exoformer_e.py", "--n_layer=2", "--n_embd=64", "--n_head=2", f"--vocab_size={VOCAB}",
+             "--block_size=32"]
+    train.main(model + common + ["--max_steps=2"])
+    ckpt = load_checkpoint(f"{tmp_path}/ckpt.pt")
+    del ckpt["model_config"]["dynamic"]  # as written by a model.py without that field
+    torch.save(ckpt, f"{tmp_path}/ckpt.pt")
+    train.main(model + common + ["--max_steps=3", "--init_from=resume"])  # the same command goes on
+    assert load_checkpoint(f"{tmp_path}/ckpt.pt")["step"] == 3
+    # no model key at all: the checkpoint's model (n_layer=2, block_size=32, ...), not the defaults
+    assert train.main(common + ["--eval_only=True"]) == train.main(model + common + ["--eval_only=True"])
+    r = run_cli(common + ["--max_steps=4", "--init_from=resume"])
+    assert "n_layer=2" in r.stdout and "resuming from" in r.stdout
+    assert load_checkpoint(f"{tmp_path}/ckpt.pt")["model_config"]["n_layer"] == 2
+    # a real conflict is one line naming the fields, before anything runs
+    r = run_cli(["--dynamic=True", "--n_layer=3", "--n_head=2"] + common + ["--init_from=resume"], check=False)
+    assert r.returncode == 1 and r.stderr.strip().splitlines()[-1] == (
+        f"train.py: error: {tmp_path}/ckpt.pt: its model has n_layer=2, dynamic=False, the configuration sets "
+        f"n_layer=3, dynamic=True (leave the model keys out to take the checkpoint's)"), r.stderr
 
 
 # ----------------------------------------------------------------------------- checkpoints and errors
@@ -338,8 +419,8 @@ def test_non_finite_loss_stops_and_keeps_last_checkpoint(data_dir, tmp_path, mon
     calls = {"n": 0}
     forward = train.GPT.forward
 
-    def poisoned(self, idx, targets=None, with_z=False):
-        out = forward(self, idx, targets, with_z)
+    def poisoned(self, idx, targets=None, **kw):
+        out = forward(self, idx, targets, **kw)
         if self.training and targets is not None:
             calls["n"] += 1
             if calls["n"] > 2 * 3:  # 2 micro-steps per step: the 4th step's loss is NaN
@@ -371,12 +452,64 @@ def test_end_to_end_tiny_dyn_exo(data_dir, tmp_path):
     assert ckpt["step"] == 30 and ckpt["model_config"]["dynamic"] and ckpt["model_config"]["n_layer"] == 4
     assert ckpt["config"]["max_steps"] == 30
     assert "step 30/30" in r.stdout
+    # start-up: the configuration where it differs from the defaults (one line, not the whole JSON), and
+    # what each optimiser updates
+    lines = r.stdout.splitlines()
+    config = next(line for line in lines if line.startswith("config, where it differs from the defaults"))
+    assert "max_steps=30" in config and "dynamic=True" in config and "n_layer=4" in config
+    assert "muon_beta2" not in config and not any(line.startswith(("{", '"')) for line in lines)
+    assert any(line.startswith("optimisers: Muon ") and "AdamW" in line for line in lines)
     # eval_only scores the checkpoint on the whole validation shard
     r = run_cli(["configs/dyn_exo.py", "configs/tiny.py", f"--data_dir={data_dir}", f"--out_dir={out}",
                  f"--vocab_size={VOCAB}", "--block_size=64", "--batch_size=4", "--total_batch_size=512",
                  "--eval_only=True"])
     whole = float(r.stdout.strip().splitlines()[-1].split("val loss ")[1].split()[0])
     assert abs(whole - val[-1]) < 0.5
+
+
+def test_planned_epochs_are_said_and_each_wrap_around_logged(tmp_path):
+    """One short train shard and more steps than it holds: the start-up says so, and every step whose
+    batch starts the data again is logged (printed and in log.jsonl)."""
+    rng = np.random.default_rng(0)
+    write_shard(tmp_path / "s_val_000000.bin", rng.integers(0, VOCAB, 600))
+    write_shard(tmp_path / "s_train_000001.bin", rng.integers(0, VOCAB, 1000))  # 7 windows of 128 + 1 tokens
+    out = str(tmp_path / "out")
+    r = run_cli(SMALL + [f"--data_dir={tmp_path}", f"--out_dir={out}", "--max_steps=16", "--log_interval=5"])
+    assert (f"data: 16 steps x 128 tokens = 2,048 tokens planned; {tmp_path} has 896 usable train tokens: "
+            f"2.29 epochs (the data repeats)") in r.stdout
+    assert [line for line in r.stdout.splitlines() if "wrapping around" in line] == [
+        "step 8: end of the train data, wrapping around to its start: epoch 2 begins",
+        "step 15: end of the train data, wrapping around to its start: epoch 3 begins"]
+    assert [(e["step"], e["epoch"]) for e in read_log(out) if "epoch" in e] == [(8, 2), (15, 3)]
+    assert [e["step"] for e in read_log(out)] == [0, 5, 8, 10, 15, 16]
+    assert load_checkpoint(f"{out}/ckpt.pt")["loader"]["epoch"] == 3
+
+
+def test_help_lists_every_key_with_its_default_and_meaning():
+    r = run_cli(["--help"])
+    assert "applied in the order given" in r.stdout and "--init_from=resume" in r.stdout
+    for key, default in train.ALL_DEFAULTS.items():
+        line = next((l for l in r.stdout.splitlines() if l.startswith(f"  {key} = {default!r} ")), None)
+        assert line is not None and len(line.split(f"{default!r}", 1)[1].strip()) > 5, key
+    assert run_cli(["-h", "--max_steps=oops"]).stdout == r.stdout  # help first, nothing else checked
+
+
+def test_every_key_has_exactly_one_meaning():
+    """Training keys are explained next to their default in train.py, model keys in model.py's GPTConfig;
+    train.MODEL_KEY_MEANINGS only fills in the fields model.py leaves without a comment."""
+    import model
+    from configurator import key_comments
+    assert set(key_comments(train.__file__, "DEFAULTS")) == set(DEFAULTS)
+    in_model = key_comments(model.__file__, "GPTConfig")
+    assert not set(in_model) & set(train.MODEL_KEY_MEANINGS), "described twice: drop them from MODEL_KEY_MEANINGS"
+    assert set(in_model) | set(train.MODEL_KEY_MEANINGS) | set(DEFAULTS) == set(train.ALL_DEFAULTS)
+
+
+def test_bench_help(capsys):
+    import bench
+    assert bench.main(["--help"]) is None
+    out = capsys.readouterr().out
+    assert "not composed as in train.py" in out and "  rounds = 3  " in out and "  dynamic = False  " in out
 
 
 def test_bench_prints_time_and_flop_ratios(capsys):

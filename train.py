@@ -6,7 +6,10 @@ Train a model of any variant with the paper's recipe (SPEC §4), in one process 
     torchrun --nproc_per_node=8 train.py configs/dyn_exo.py                # 8 GPUs, DDP
     torchrun --nproc_per_node=8 train.py configs/dyn_exo.py --init_from=resume   # continue a run
 
-Config files, then --key=value overrides, change the defaults below (configurator.py).
+Config files are plain Python assignments (`n_layer = 4`) applied in the order given, a later one
+overriding an earlier one (a variant file, then configs/tiny.py to shrink it), then the --key=value
+overrides; every key must be one of the keys below. With --init_from=resume or --eval_only the model is
+the checkpoint's: model keys may be left out, and any that is given must agree with the checkpoint.
 """
 import contextlib
 import json
@@ -20,58 +23,74 @@ from dataclasses import asdict, fields
 import numpy as np
 import torch
 import torch.distributed as dist
+import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from configurator import load_config
+from configurator import help_text, key_comments, read_args, wants_help
 from data import DataLoader, atomic_write, val_batches
 from model import GPT, GPTConfig, load_checkpoint
 
 # ----------------------------------------------------------------------------- defaults: the paper's 450M run
-# (the model fields of GPTConfig are keys too: set them with a configs/ file)
+# One key per line, its meaning in the comment: `python train.py --help` prints them (configurator.key_comments).
+# The model fields of GPTConfig are keys too (set them with a configs/ file); their meanings are model.py's.
 DEFAULTS = dict(
     # I/O
-    data_dir="data/finewebedu10B",  # shards from prepare.py
+    data_dir="data/finewebedu10B",  # shards from prepare.py (*_train_*.bin, *_val_*.bin)
     out_dir="out",  # ckpt.pt and log.jsonl
-    init_from="scratch",  # 'scratch' or 'resume' (from <out_dir>/ckpt.pt)
+    init_from="scratch",  # 'scratch' or 'resume' (continue from <out_dir>/ckpt.pt)
     eval_only=False,  # evaluate <out_dir>/ckpt.pt on the whole validation shard and exit
-    log_interval=10,
-    eval_interval=500,
+    log_interval=10,  # steps between log lines
+    eval_interval=500,  # steps between validation losses
     eval_tokens=10_485_760,  # validation tokens per evaluation during training
-    ckpt_interval=1000,
-    wandb_log=False,
-    wandb_project="exoformer",
-    wandb_run_name="run",
+    ckpt_interval=1000,  # steps between checkpoints (one is also written at the end)
+    wandb_log=False,  # also log to Weights & Biases (needs wandb installed)
+    wandb_project="exoformer",  # W&B project
+    wandb_run_name="run",  # W&B run name
     # batch: 262,144 tokens per step = 8 GPUs x 16 sequences x 2048 tokens; fewer GPUs accumulate
     batch_size=16,  # sequences per process per micro-step
-    block_size=2048,
-    total_batch_size=262_144,  # tokens per optimiser step
-    max_steps=38_147,  # 10B tokens
+    block_size=2048,  # sequence length (also the model's longest context)
+    total_batch_size=262_144,  # tokens per optimiser step, reached by gradient accumulation
+    max_steps=38_147,  # optimiser steps: 10B tokens at 262,144 tokens per step
     # optimisers
-    muon_lr=0.01,
-    muon_momentum=0.95,  # ramped up from muon_momentum_min over the first steps, back down over the last
-    muon_momentum_min=0.85,
-    muon_momentum_steps=100,
-    muon_beta2=0.95,  # NorMuon second moment
-    muon_weight_decay=0.1,  # cautious
-    adam_lr=0.003,
-    adam_beta1=0.9,
-    adam_beta2=0.95,
-    adam_weight_decay=0.0,
-    warmup_steps=1000,
-    cooldown_frac=0.2,  # linear decay over the last 20% of steps ...
-    final_lr_frac=0.1,  # ... to 10% of the peak
-    grad_clip=1.0,
-    z_loss=1e-5,
+    muon_lr=0.01,  # peak learning rate of Muon (the weights of the linear layers inside the network)
+    muon_momentum=0.95,  # reached after muon_momentum_steps, left again over the last ones
+    muon_momentum_min=0.85,  # Muon momentum at the first and the last step
+    muon_momentum_steps=100,  # steps of each momentum ramp
+    muon_beta2=0.95,  # NorMuon second-moment decay
+    muon_weight_decay=0.1,  # cautious weight decay, Muon only
+    adam_lr=0.003,  # peak learning rate of AdamW (embedding, lm_head, norms, biases, λ, the rest)
+    adam_beta1=0.9,  # AdamW beta1
+    adam_beta2=0.95,  # AdamW beta2
+    adam_weight_decay=0.0,  # AdamW weight decay
+    warmup_steps=1000,  # linear learning-rate warmup steps
+    cooldown_frac=0.2,  # fraction of the run at the end over which the learning rates decay linearly
+    final_lr_frac=0.1,  # learning rates at the end of the decay, as a fraction of the peak
+    grad_clip=1.0,  # global gradient-norm clip
+    z_loss=1e-5,  # weight of mean(logsumexp(logits)²) in the loss
     doc_mask=True,  # attention stays inside each document of a window (each <|endoftext|> opens one), as the authors trained
     # system
     device=None,  # None: cuda if available, else cpu
     dtype=None,  # None: bfloat16 autocast on cuda (fp32 master weights), float32 on cpu
     compile=None,  # None: torch.compile on cuda only
-    gpu_peak_flops=989e12,  # dense bf16 peak of one H100/H200, for MFU
-    seed=42,
+    gpu_peak_flops=989e12,  # dense bf16 peak of one GPU (H100/H200), for MFU
+    seed=42,  # seed of torch, numpy and random
 )
 MODEL_KEYS = [f.name for f in fields(GPTConfig)]
 ALL_DEFAULTS = {**DEFAULTS, **{f.name: f.default for f in fields(GPTConfig)}}  # block_size is in both
+# Meanings of the GPTConfig fields that model.py's GPTConfig has no comment for (a test checks that every key
+# has exactly one meaning: when model.py gains a comment for one of these, its entry here goes)
+MODEL_KEY_MEANINGS = dict(n_layer="transformer blocks (L)", n_head="attention heads (H); n_embd/H must be even",
+                          n_embd="model width (C)", rope_theta="RoPE base")
+
+
+def help_sections():
+    """(title, defaults, meanings) of train.py's keys and of the model keys, for configurator.help_text."""
+    model_file = sys.modules[GPTConfig.__module__].__file__
+    model_defaults = {k: v for k, v in ALL_DEFAULTS.items() if k not in DEFAULTS}
+    return [("training keys", DEFAULTS, key_comments(__file__, "DEFAULTS")),
+            ("model keys (GPTConfig; the configs/ files set them)", model_defaults,
+             {**key_comments(model_file, "GPTConfig"), **MODEL_KEY_MEANINGS})]
+
 
 # Polar Express coefficients (a, b, c) of the 5 iterations (SPEC §4)
 POLAR_EXPRESS = [
@@ -153,17 +172,26 @@ class Muon(torch.optim.Optimizer):
 
 
 def configure_optimizers(model, cfg, rank=0, world_size=1):
-    """Muon for the 2-D weights inside the blocks, anchor_proj and the dynamic MLPs; AdamW for the rest
-    (embedding, lm_head, norm weights, biases, λ)."""
-    muon, adam = [], []
-    for name, p in model.named_parameters():
-        (muon if p.ndim == 2 and name not in ("wte.weight", "lm_head.weight") else adam).append(p)
-    assert len(muon) + len(adam) == len(list(model.parameters())) and not set(muon) & set(adam)
+    """Muon for the weights of the nn.Linear layers inside the network (blocks, anchor_proj, dynamic MLPs):
+    maps from one hidden vector to another, which is what Muon's orthogonalised update suits. AdamW for
+    everything else: the embedding, lm_head (its output is the vocabulary, not a hidden vector), norm
+    weights, biases, λ, and any parameter a fork adds outside nn.Linear, whatever its shape."""
+    linear = {id(m.weight) for m in model.modules() if isinstance(m, nn.Linear) and m is not model.lm_head}
+    muon = [p for p in model.parameters() if id(p) in linear]  # parameters() lists a shared tensor once
+    adam = [p for p in model.parameters() if id(p) not in linear]
     fused = {"fused": True} if next(model.parameters()).is_cuda else {}
     return [Muon(muon, cfg["muon_lr"], cfg["muon_momentum"], cfg["muon_beta2"], cfg["muon_weight_decay"],
                  rank, world_size),
             torch.optim.AdamW(adam, lr=cfg["adam_lr"], betas=(cfg["adam_beta1"], cfg["adam_beta2"]),
                               weight_decay=cfg["adam_weight_decay"], **fused)]
+
+
+def describe_optimizers(optimizers):
+    """One line: how many tensors and parameters each optimiser updates."""
+    def count(opt):
+        params = [p for g in opt.param_groups for p in g["params"]]
+        return f"{type(opt).__name__} {len(params)} tensors ({sum(p.numel() for p in params):,} parameters)"
+    return "optimisers: " + ", ".join(count(opt) for opt in optimizers)
 
 
 def optimizer_step(model, optimizers, cfg):
@@ -251,6 +279,24 @@ def setup(cfg):
     return rank, world_size, device, autocast, use_compile
 
 
+def model_config_for(cfg, given, ckpt, ckpt_path):
+    """The model to build, written back into cfg's model keys. Without a checkpoint: the configured one.
+    With one (resume, eval_only): the checkpoint's (a field it lacks, added to GPTConfig later, takes its
+    default); the model keys that config files or overrides set must agree with it."""
+    if ckpt is None:
+        config = GPTConfig(**{k: cfg[k] for k in MODEL_KEYS})
+    else:
+        config = GPTConfig.from_dict(ckpt["model_config"], f"{ckpt_path}: model_config")
+        saved = asdict(config)
+        conflict = [k for k in MODEL_KEYS if k in given and given[k] != saved[k]]
+        if conflict:
+            show = lambda d: ", ".join(f"{k}={d[k]!r}" for k in conflict)
+            raise ValueError(f"{ckpt_path}: its model has {show(saved)}, the configuration sets {show(given)} "
+                             f"(leave the model keys out to take the checkpoint's)")
+    cfg.update(asdict(config))
+    return config
+
+
 def check_config(cfg, world_size):
     if cfg["init_from"] not in ("scratch", "resume"):
         raise ValueError(f"init_from={cfg['init_from']!r}: expected 'scratch' or 'resume'")
@@ -285,17 +331,22 @@ def evaluate(model, cfg, autocast, device, rank, world_size, max_tokens):
 
 def main(argv):
     # --- everything that can be wrong with the input is checked before any training
+    if wants_help(argv):
+        print(help_text(__doc__, help_sections()))
+        return None
     try:
-        cfg = load_config(argv, ALL_DEFAULTS)
+        given = read_args(argv, ALL_DEFAULTS)
+        cfg = {**ALL_DEFAULTS, **given}
         rank, world_size, device, autocast, use_compile = setup(cfg)
-        accum = check_config(cfg, world_size)
-        model_config = GPTConfig(**{k: cfg[k] for k in MODEL_KEYS})
         ckpt_path = os.path.join(cfg["out_dir"], "ckpt.pt")
         # loaded to the CPU: load_state_dict copies to the device, and RNG states must stay CPU tensors
         ckpt = load_checkpoint(ckpt_path) if (cfg["init_from"] == "resume" or cfg["eval_only"]) else None
-        if ckpt is not None and ckpt["model_config"] != asdict(model_config):
-            diff = sorted(k for k in MODEL_KEYS if ckpt["model_config"][k] != cfg[k])
-            raise ValueError(f"{ckpt_path}: its model differs from the configured one in {', '.join(diff)}")
+        model_config = model_config_for(cfg, given, ckpt, ckpt_path)  # before the checks: block_size may change
+        if ckpt is not None and "config" in ckpt and "doc_mask" not in given:
+            # resume and eval_only keep the attention masking the checkpoint was trained with, unless
+            # overridden; checkpoints from before the key existed were trained without it
+            cfg["doc_mask"] = ckpt["config"].get("doc_mask", False)
+        accum = check_config(cfg, world_size)
         # one window of total_batch_size tokens per step, split into micro-steps below: the same tokens
         # whatever the mix of processes and accumulation (and at shard ends, too)
         loader = None if cfg["eval_only"] else DataLoader(
@@ -306,14 +357,16 @@ def main(argv):
         sys.exit(f"train.py: error: {e}")
     master = rank == 0
     log = print if master else (lambda *a, **k: None)
-    if master:
-        log(json.dumps(cfg, indent=1))
+    changed = {k: v for k, v in cfg.items() if v != ALL_DEFAULTS[k]}
+    log("config, where it differs from the defaults (log.jsonl has all of it): " +
+        (", ".join(f"{k}={v!r}" for k, v in changed.items()) or "none"))
 
     torch.manual_seed(cfg["seed"])
     random.seed(cfg["seed"])
     np.random.seed(cfg["seed"])
     raw_model = GPT(model_config).to(device)
     optimizers = configure_optimizers(raw_model, cfg, rank, world_size)
+    log(describe_optimizers(optimizers))
     step = 0
     if ckpt is not None:
         raw_model.load_state_dict(ckpt["model"])
@@ -351,6 +404,11 @@ def main(argv):
     flops_per_step = raw_model.flops_per_token(cfg["block_size"]) * cfg["total_batch_size"]
     log(f"{raw_model.num_params():,} parameters, {world_size} process(es) x {accum} micro-step(s) x "
         f"{cfg['batch_size']} x {cfg['block_size']} tokens, {device}, compile={use_compile}")
+    # the loader wraps around at the end of the data: say up front how often the run will see it
+    planned, available = cfg["max_steps"] * cfg["total_batch_size"], loader.tokens_per_epoch
+    log(f"data: {cfg['max_steps']:,} steps x {cfg['total_batch_size']:,} tokens = {planned:,} tokens planned; "
+        f"{cfg['data_dir']} has {available:,} usable train tokens: {planned / available:.2f} epochs"
+        + (" (the data repeats)" if planned > available else ""))
 
     def record(entry):
         if master:
@@ -368,6 +426,7 @@ def main(argv):
         t0 = time.perf_counter()
         lr = set_schedule(optimizers, step, cfg)
         loss_sum = torch.zeros((), device=device)
+        epoch = loader.epoch
         xs, ys = loader.next_batch()
         for micro, (x, y) in enumerate(zip(xs.split(cfg["batch_size"]), ys.split(cfg["batch_size"]))):
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
@@ -389,9 +448,12 @@ def main(argv):
         step_times.append(time.perf_counter() - t0)
 
         entry = {"step": step, "train_loss": train_loss, "lr": lr, "grad_norm": grad_norm}
+        if loader.epoch != epoch:  # this step's batch began the data again from the first shard
+            entry["epoch"] = loader.epoch
+            log(f"step {step}: end of the train data, wrapping around to its start: epoch {loader.epoch} begins")
         if step % cfg["eval_interval"] == 0 or step == cfg["max_steps"]:
             entry["val_loss"] = evaluate(model, cfg, autocast, device, rank, world_size, cfg["eval_tokens"])
-        if step % cfg["log_interval"] == 0 or "val_loss" in entry:
+        if step % cfg["log_interval"] == 0 or "val_loss" in entry or "epoch" in entry:
             dt = sum(step_times[-cfg["log_interval"]:]) / len(step_times[-cfg["log_interval"]:])
             entry.update(step_ms=1000 * dt, tok_per_s=cfg["total_batch_size"] / dt)
             mfu = ""
