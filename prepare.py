@@ -45,7 +45,7 @@ class _Retry(Exception):
         self.restart = restart
 
 
-class _Bar:
+class ByteBar:
     """One tqdm bar of bytes shared by the download threads (totals are learnt as files start)."""
 
     def __init__(self, **kw):
@@ -60,6 +60,9 @@ class _Bar:
     def update(self, n):
         with self.lock:
             self.bar.update(n)
+
+    def close(self):
+        self.bar.close()
 
 
 def shard_names(train_shards):
@@ -107,16 +110,25 @@ def _attempt(url, part, have, bar, counted, stop):
     return total
 
 
-def download_file(url, dest, bar=None, stop=None):
+def valid_shard(path):
+    """A downloaded shard's check: its header and exact size (see data.read_header)."""
+    try:
+        read_header(path)
+    except ValueError as e:
+        raise ValueError(f"not a valid shard ({e})") from None
+
+
+def download_file(url, dest, bar=None, stop=None, check=valid_shard):
     """Download url to dest through dest + '.part', resuming with HTTP Range requests and retrying
-    with exponential backoff. dest appears only once its shard header and exact size check out."""
+    with exponential backoff. dest appears only once the size the server announced and check(path)
+    pass; check raises ValueError('not a valid ...') for an incomplete or foreign file."""
     part = dest + ".part"
-    bar = bar or _Bar(disable=True)
+    bar = bar or ByteBar(disable=True)
     counted = [False]  # whether this file's size is in the bar's total yet
     size = lambda: os.path.getsize(part) if os.path.exists(part) else 0
     bar.update(size())  # bytes left by an interrupted run count as done
     try:  # an interrupted run may have stopped just before the rename
-        read_header(part)
+        check(part)
         os.replace(part, dest)
         return
     except (ValueError, FileNotFoundError):
@@ -131,9 +143,9 @@ def download_file(url, dest, bar=None, stop=None):
             if total is not None and size() < total:
                 raise _Retry(f"the body ended after {size()} of {total} bytes")
             try:
-                read_header(part)  # magic, version and exact size 1024 + 2*ntok
+                check(part)
             except ValueError as e:
-                raise _Retry(f"downloaded file is not a valid shard ({e})", restart=True) from None
+                raise _Retry(f"downloaded file is {e}", restart=True) from None
             os.replace(part, dest)
             return
         except (requests.exceptions.InvalidURL, requests.exceptions.MissingSchema,
@@ -174,7 +186,7 @@ def download_shards(data_dir, train_shards=NUM_TRAIN_SHARDS, workers=4, base_url
         todo.append(name)
     skipped = train_shards + 1 - len(todo)
     t0, stop = time.time(), threading.Event()
-    bar = _Bar(desc="download")
+    bar = ByteBar(desc="download")
     try:
         with ThreadPoolExecutor(workers) as pool:
             jobs = [pool.submit(download_file, f"{base_url.rstrip('/')}/{name}",
@@ -187,7 +199,7 @@ def download_shards(data_dir, train_shards=NUM_TRAIN_SHARDS, workers=4, base_url
                 pool.shutdown(cancel_futures=True)
                 raise
     finally:
-        bar.bar.close()
+        bar.close()
     nbytes, dt = sum(os.path.getsize(os.path.join(data_dir, n)) for n in todo), time.time() - t0
     print(f"downloaded {len(todo)} files ({nbytes / 1e6:,.1f} MB in {dt:.1f}s, "
           f"{nbytes / 1e6 / max(dt, 1e-9):,.1f} MB/s); {skipped} already present; in {data_dir}")

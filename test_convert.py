@@ -1,0 +1,315 @@
+"""convert.py: the authors' checkpoint layouts, written out here by hand from random models of ours, must
+convert back to the same model (same logits); what we do not implement is refused; downloads resume;
+our own checkpoints export to weights-only files that eval.py and train.py --eval_only read."""
+import dataclasses
+import io
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import convert
+import eval as ev
+import prepare
+import train
+from configurator import load_config
+from model import GPT, GPTConfig, load_model
+from test_eval import small_data
+from test_prepare import server  # noqa: F401  (fixture: the local HTTP server with injected faults)
+from test_train import SMALL, data_dir  # noqa: F401  (fixture: toy token shards)
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+V = 57601  # the authors' vocabulary
+STEP = 38146
+
+
+def random_model(**fields):
+    """A small model of ours with every parameter random (norms and λ too, so that a weight landing in
+    the wrong place changes the logits) and bf16-representable, so that bf16 copies of it are exact."""
+    torch.manual_seed(0)
+    m = GPT(GPTConfig(n_layer=3, n_head=2, n_embd=32, block_size=64, vocab_size=V, **fields))
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            centre = 1.0 if "norm" in name or "ln_" in name else 0.5 if ".lam." in name else 0.0
+            p.copy_((centre + 0.2 * torch.randn_like(p)).bfloat16().float())
+    return m.eval()
+
+
+def their_checkpoint(m, layout, prefix=""):
+    """m as the authors' train.py saved it with one of their model files (layout: 'model1' raw internal
+    anchors, 'model2' internal anchor norms in every layer, 'latest' in layer 0 only, 'model3' exogenous,
+    'model4' exogenous and dynamic). Names, shapes and dtypes written out by hand from their code."""
+    c = m.config
+    H, D, C = c.n_head, c.head_dim, c.n_embd
+    slots = "qkvg" if c.gate else "qkv"  # their anchor_proj and dynamic outputs cover every projection
+    g = torch.Generator().manual_seed(1)
+    junk = lambda *shape: torch.randn(*shape, generator=g)  # tensors their model has and never applies
+    bf16 = lambda t: t.detach().to(torch.bfloat16)  # their nn.Linear / nn.Embedding weights (and biases)
+    f32 = lambda t: t.detach().clone()
+    sd = {"transformer.wte.weight": bf16(m.wte.weight), "transformer.final_norm.weight": f32(m.ln_f.weight),
+          "lm_head.weight": bf16(m.lm_head.weight)}
+    for i, b in enumerate(m.blocks):
+        p, a = f"transformer.layers.{i}.", b.attn
+        sd[p + "attn_norm.weight"], sd[p + "mlp_norm.weight"] = f32(b.ln_1.weight), f32(b.ln_2.weight)
+        sd[p + "attn.c_attn.weight"], sd[p + "attn.c_proj.weight"] = bf16(a.c_attn.weight), bf16(a.c_proj.weight)
+        sd[p + "attn.q_norm.weight"], sd[p + "attn.k_norm.weight"] = f32(a.q_norm.weight), f32(a.k_norm.weight)
+        shape = {"scalar": (), "headwise": (H,), "elementwise": (H, D)}[c.granularity]
+        for s in a.mix:
+            sd[p + f"attn.lambda_{s}1"] = f32(a.lam[s + "1"]).reshape(shape)
+            sd[p + f"attn.lambda_{s}2"] = f32(a.lam[s + "2"]).reshape(shape)
+        if a.dyn is not None:
+            sd[p + "attn.dynamic_mixing.fc1.weight"] = bf16(a.dyn.fc1.weight)
+            w, bias = junk(2 * len(slots), 16), junk(2 * len(slots))  # outputs q1, q2, k1, k2, v1, v2, g1, g2
+            for n, s in enumerate(a.mix):
+                j = 2 * slots.index(s)
+                w[j:j + 2], bias[j:j + 2] = a.dyn.fc2.weight[2 * n:2 * n + 2], a.dyn.fc2.bias[2 * n:2 * n + 2]
+            sd[p + "attn.dynamic_mixing.fc2.weight"], sd[p + "attn.dynamic_mixing.fc2.bias"] = bf16(w), bf16(bias)
+        sd[p + "mlp.fc1.weight"], sd[p + "mlp.fc2.weight"] = bf16(b.mlp.fc1.weight), bf16(b.mlp.fc2.weight)
+        for s in "vg" if c.gate else "v":  # internal anchor norms: only layer 0's copy is ever applied
+            real = m.anchor_norms[s].weight if (i == 0 and s in m.anchor_norms) else junk(D)
+            if layout == "model2":
+                sd[p + f"attn.{s}_norm.weight"] = f32(real)
+            if layout == "latest" and i == 0 and c.anchor_norm:
+                sd[p + f"attn.{s}_res_norm.weight"] = f32(real)
+    if c.anchor == "exo":
+        w = junk(len(slots) * C, C)
+        for n, s in enumerate(c.mixed):
+            j = slots.index(s) * C
+            w[j:j + C] = m.anchor_proj.weight[n * C:(n + 1) * C]
+        sd["anchor_proj.weight"] = bf16(w)
+        for s in slots if c.anchor_norm else "":  # one norm per projection, mixed or not
+            sd[f"anchor_{s}_norm.weight"] = f32(m.anchor_norms[s].weight if s in c.mixed else junk(D))
+    args = dict(block_size=c.block_size, vocab_size=c.vocab_size, n_layer=c.n_layer, n_head=H, n_embd=C,
+                mlp_hidden_dim=None, mlp_ratio=4.0, weight_tying=False, act_type="swiglu", rope_theta=500000.0,
+                rmsnorm_eps=1e-6, rmsnorm_use_weight=True, rmsnorm_use_bias=False, embedding_dropout=0.0,
+                residual_dropout=0.0, attention_dropout=0.0, norm_pos="before", qk_norm=True, clip_qkv=None,
+                flash_attention=True, init_std=0.02, init_cutoff_factor=3, logit_soft_cap=None,
+                smear_gate_enabled=False, smear_gate_dim=12, value_res_enabled="v" in c.mix,
+                value_res_lambda_init=0.5, query_res_enabled="q" in c.mix, query_res_lambda_init=0.5,
+                key_res_enabled="k" in c.mix, key_res_lambda_init=0.5, per_layer_backout=False,
+                residual_mode=c.granularity if c.mix else "headwise", gated_attention_enabled=c.gate,
+                gate_res_enabled="g" in c.mix, gate_res_lambda_init=0.5)
+    if layout in ("latest", "model3", "model4"):
+        args.update(decouple_anchor=c.anchor == "exo", embedding_layer0_mix_enabled=False, yarn_enabled=False,
+                    dynamic_mixing_enabled=True,  # model3.py's default, though it has no dynamic module
+                    **{f"{s}_residual_norm_enabled": c.anchor_norm for s in "qkvg"})
+    if layout == "model4":
+        args.update(dynamic_mixing_hidden_dim=16, anchor_delta_enabled=False, anchor_delta_init=0.0)
+    return {"model": {prefix + k: v for k, v in sd.items()}, "model_args": args, "config": {"lr": 0.01},
+            "step": STEP, "tokens_processed": STEP * 262144, "muon_optimizer": {"state": {}},
+            "adamw_optimizer": {"state": {}}}
+
+
+EXO = dict(gate=True, anchor="exo", mix="qkvg")
+NURES = dict(gate=True, anchor="internal", mix="qkvg")
+CASES = {  # name: (our config fields, their layout, key prefix)
+    "baseline": (dict(), "model1", ""),
+    "gated": (dict(gate=True), "model1", ""),
+    "gated-model2-unused-norms": (dict(gate=True), "model2", ""),
+    "resformer": (dict(anchor="internal", mix="v"), "model1", ""),
+    "nkqr_e-compiled": (dict(NURES, mix="vg", granularity="elementwise"), "model1", "_orig_mod."),
+    "oqkrn_e": (dict(NURES, granularity="elementwise"), "model1", ""),
+    "nuresformer_h-model2": (dict(NURES, granularity="headwise", anchor_norm=True), "model2", ""),
+    "nuresformer_s-latest": (dict(NURES, granularity="scalar", anchor_norm=True), "latest", ""),
+    "exoformer_e": (dict(EXO, granularity="elementwise", anchor_norm=True), "model3", ""),
+    "exoformer_s-nonorm": (dict(EXO, granularity="scalar"), "model3", ""),
+    "dyn_exo-compiled": (dict(EXO, granularity="elementwise", anchor_norm=True, dynamic=True), "model4", "_orig_mod."),
+    "dyn_exo-h-mixing-kv": (dict(EXO, mix="kv", granularity="headwise", anchor_norm=True, dynamic=True), "model4", ""),
+}
+
+
+def write(ckpt, path):
+    torch.save(ckpt, path)
+    return str(path)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_round_trip_gives_the_same_logits(case, tmp_path, capsys):
+    fields, layout, prefix = CASES[case]
+    m = random_model(**fields)
+    src = write(their_checkpoint(m, layout, prefix), tmp_path / "ckpt_step:38146.pt")
+    out = tmp_path / "out" / "ckpt.pt"
+    convert.main([src, "--out", str(out)])
+    got, ckpt = load_model(str(out))
+    assert got.config == m.config
+    assert set(ckpt) == {"model", "model_config", "step", "source"} and ckpt["step"] == STEP
+    assert all(v.dtype == torch.float32 for v in ckpt["model"].values())
+    idx = torch.randint(0, V, (2, 24), generator=torch.Generator().manual_seed(2))
+    assert torch.equal(got(idx)[0], m(idx)[0])
+    line = capsys.readouterr().out.splitlines()[0]
+    assert f"authors' checkpoint: {convert.variant_name(m.config)} (" in line
+    assert f"), 3 layers, C=32, vocab {V}, step {STEP}" in line
+
+
+def test_variant_names_and_config_files():
+    names = {"baseline": "Baseline", "gated": "Gated Attention", "resformer": "ResFormer",
+             "nuresformer_h": "H-NuResFormer", "nuresformer_e_nonorm": "E-NuResFormer, raw anchors",
+             "nkqr_e": "E-NuResFormer mixing vg only, raw anchors", "exoformer_s": "S-ExoFormer",
+             "exoformer_e_nonorm": "E-ExoFormer, raw anchors", "dyn_exo": "Dynamic E-ExoFormer"}
+    for name, paper in names.items():
+        fields = load_config([os.path.join(HERE, "configs", f"{name}.py")], dataclasses.asdict(GPTConfig()))
+        config = GPTConfig(**{**fields, "vocab_size": V})
+        assert convert.variant_name(config) == paper
+        assert convert.config_file(config) == (f"configs/{name}.py", True)
+    assert convert.config_file(GPTConfig(n_layer=3, gate=True)) == ("configs/gated.py", False)
+    assert convert.config_file(GPTConfig(gate=True, anchor="exo", mix="kv")) == (None, False)
+
+
+# ----------------------------------------------------------------------------- refusals
+
+def refused(argv, tmp_path):
+    """Run convert.py, expect a one-line error, and check that nothing was written."""
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit) as e:
+        convert.main([*argv, "--out", str(out / "ckpt.pt")])
+    msg = str(e.value)
+    assert msg.startswith("convert.py: error: ") and "\n" not in msg
+    assert not out.exists() or os.listdir(out) == []
+    return msg
+
+
+@pytest.mark.parametrize("field,value", [("norm_pos", "after"), ("act_type", "gelu"), ("weight_tying", True),
+                                         ("smear_gate_enabled", True), ("logit_soft_cap", 30.0),
+                                         ("per_layer_backout", True), ("anchor_delta_enabled", True)])
+def test_refuses_what_model_py_does_not_implement(field, value, tmp_path):
+    ckpt = their_checkpoint(random_model(gate=True), "model4")
+    ckpt["model_args"][field] = value
+    msg = refused([write(ckpt, tmp_path / "c.pt")], tmp_path)
+    assert f"model_args.{field}={value!r}: model.py implements only {field}=" in msg
+
+
+def test_refuses_anchors_normalised_for_some_projections_only(tmp_path):
+    ckpt = their_checkpoint(random_model(**NURES, anchor_norm=True), "latest")
+    ckpt["model_args"]["g_residual_norm_enabled"] = False
+    del ckpt["model"]["transformer.layers.0.attn.g_res_norm.weight"]
+    assert "g_residual_norm_enabled=False" in refused([write(ckpt, tmp_path / "c.pt")], tmp_path)
+    ckpt = their_checkpoint(random_model(**EXO, anchor_norm=True), "model3")
+    del ckpt["model"]["anchor_k_norm.weight"]
+    assert "anchor norms for qvg only, of mixed qkvg" in refused([write(ckpt, tmp_path / "c.pt")], tmp_path)
+
+
+@pytest.mark.parametrize("change,message", [
+    (lambda sd: sd.pop("transformer.layers.1.attn.c_proj.weight"), "missing tensor(s) blocks.1.attn.c_proj.weight"),
+    (lambda sd: sd.pop("transformer.layers.2.attn.dynamic_mixing.fc2.bias"),
+     "missing tensor(s) blocks.2.attn.dyn.fc2.bias"),
+    (lambda sd: sd.update({"transformer.layers.0.attn.smear.weight": torch.ones(2)}),
+     "unexpected tensor transformer.layers.0.attn.smear.weight"),
+    (lambda sd: sd.update({"transformer.layers.2.mlp.fc1.weight": torch.ones(64, 32)}),
+     "tensor blocks.2.mlp.fc1.weight has shape (64, 32), expected (128, 32)"),
+    (lambda sd: sd.update({"transformer.layers.0.attn.lambda_v1": torch.ones(2)}),
+     "tensor transformer.layers.0.attn.lambda_v1 has shape (2,), expected (2, 16)"),
+    (lambda sd: sd.update({"anchor_proj.weight": torch.ones(96, 32)}), "anchor_proj.weight has 96 rows, expected 128"),
+])
+def test_refuses_missing_unexpected_and_misshapen_tensors(change, message, tmp_path):
+    ckpt = their_checkpoint(random_model(**EXO, granularity="elementwise", anchor_norm=True, dynamic=True), "model4")
+    change(ckpt["model"])
+    assert message in refused([write(ckpt, tmp_path / "c.pt")], tmp_path)
+
+
+class Boom:
+    def __reduce__(self):
+        return (os.system, ("touch PWNED",))
+
+
+def test_refuses_files_that_are_not_checkpoints(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    ckpt = their_checkpoint(random_model(), "model1")
+    evil = write({**ckpt, "payload": Boom()}, tmp_path / "evil.pt")
+    assert "not loadable with torch.load(weights_only=True)" in refused([evil], tmp_path)
+    assert not (tmp_path / "PWNED").exists()
+    (tmp_path / "text.pt").write_text("hello")
+    assert "text.pt: not loadable" in refused([str(tmp_path / "text.pt")], tmp_path)
+    assert "neither 'model_config'" in refused([write({"model": {}}, tmp_path / "a.pt")], tmp_path)
+    args = dict(ckpt["model_args"])
+    del args["n_layer"]
+    assert "model_args has no n_layer" in refused([write({**ckpt, "model_args": args}, tmp_path / "b.pt")], tmp_path)
+    assert "no such file, and not a Hugging Face repository" in refused([str(tmp_path / "none.pt")], tmp_path)
+    (tmp_path / "out").mkdir()
+    src = write(ckpt, tmp_path / "out" / "ckpt.pt")
+    with pytest.raises(SystemExit, match="that is the checkpoint being converted"):
+        convert.main([src, "--out", src])
+
+
+# ----------------------------------------------------------------------------- download
+
+@pytest.fixture
+def fast(monkeypatch):
+    monkeypatch.setattr(prepare, "BACKOFF", 0.0)
+    monkeypatch.setattr(prepare, "TIMEOUT", (2, 1))
+
+
+def test_download_resumes_after_a_cut_and_is_cached(server, fast, tmp_path):
+    m = random_model(gate=True)
+    buf = io.BytesIO()
+    torch.save(their_checkpoint(m, "model1"), buf)
+    body = buf.getvalue()
+    name = "Jonnester/Tiny/resolve/main/ckpt_step%3A38146.pt"  # the ':' percent-encoded
+    server.files[name], server.faults[name] = body, ["cut"]
+    cache, out = tmp_path / "cache", tmp_path / "a" / "ckpt.pt"
+    argv = ["Jonnester/Tiny", "--out", str(out), "--cache_dir", str(cache), "--base_url", server.url]
+    convert.main(argv)
+    (r0, s0), (r1, s1) = [(r, s) for n, r, s in server.log]
+    assert (r0, s0) == (None, 200) and s1 == 206 and int(r1[6:-1]) > 0  # resumed where the cut left it
+    assert os.listdir(cache / "Jonnester" / "Tiny") == ["ckpt_step:38146.pt"]  # no .part left
+    assert (cache / "Jonnester" / "Tiny" / "ckpt_step:38146.pt").read_bytes() == body
+    idx = torch.randint(0, V, (1, 8))
+    assert torch.equal(load_model(str(out))[0](idx)[0], m(idx)[0])
+    convert.main(argv)  # cached: no second download
+    assert len(server.log) == 2
+    server.files["Jonnester/Tiny/resolve/main/other%20name.pt"] = body  # REPO/FILENAME
+    convert.main(["Jonnester/Tiny/other name.pt", *argv[1:]])
+    assert (cache / "Jonnester" / "Tiny" / "other name.pt").read_bytes() == body
+    msg = refused(["Jonnester/Missing", "--cache_dir", str(cache), "--base_url", server.url], tmp_path)
+    assert f"{server.url}/Jonnester/Missing/resolve/main/ckpt_step%3A38146.pt: HTTP 404" in msg
+
+
+def test_truncated_download_is_never_used(server, fast, tmp_path, monkeypatch):
+    monkeypatch.setattr(prepare, "MAX_TRIES", 2)
+    buf = io.BytesIO()
+    torch.save(their_checkpoint(random_model(), "model1"), buf)
+    server.files["J/T/resolve/main/ckpt_step%3A38146.pt"] = buf.getvalue()[:-100]  # a complete-looking body
+    cache = tmp_path / "cache"
+    msg = refused(["J/T", "--cache_dir", str(cache), "--base_url", server.url], tmp_path)
+    assert "giving up after 2 failed attempts" in msg and "not a complete torch.save file" in msg
+    assert os.listdir(cache / "J" / "T") == []
+
+
+# ----------------------------------------------------------------------------- end to end
+
+def test_eval_py_scores_a_converted_file(tmp_path, enc_file):
+    src = write(their_checkpoint(random_model(**EXO, granularity="elementwise", anchor_norm=True, dynamic=True),
+                                 "model4", "_orig_mod."), tmp_path / "ckpt_step:38146.pt")
+    out = tmp_path / "authors_dyn_exo" / "ckpt.pt"
+    r = subprocess.run([sys.executable, "convert.py", src, "--out", str(out)], cwd=HERE, capture_output=True,
+                       text=True)
+    assert r.returncode == 0, r.stderr
+    assert "authors' checkpoint: Dynamic E-ExoFormer" in r.stdout and f"wrote {out}" in r.stdout
+    small_data(str(tmp_path / "data"))
+    r = subprocess.run([sys.executable, "eval.py", str(out), "--tokenizer", str(enc_file), "--data_dir",
+                        str(tmp_path / "data"), "--base_url", "http://127.0.0.1:9", "--limit", "3", "--tasks",
+                        "arc_easy,winogrande", "--device", "cpu"], cwd=HERE, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert "average" in r.stdout and "requests/s" in r.stdout
+
+
+def test_export_of_our_checkpoint_is_weights_only(data_dir, tmp_path, enc_file, capsys):
+    run, export = tmp_path / "run", tmp_path / "export"
+    cfg = SMALL + [f"--data_dir={data_dir}", "--vocab_size=384"]  # 384: above the test tokenizer's ids
+    train.main(cfg + [f"--out_dir={run}", "--max_steps=2"])
+    full = torch.load(run / "ckpt.pt", weights_only=True)
+    assert {"optimizers", "loader", "rng"} <= set(full)
+    summary = convert.main([str(run / "ckpt.pt"), "--out", str(export / "ckpt.pt")])
+    small = torch.load(export / "ckpt.pt", weights_only=True)
+    assert set(small) == {"model", "model_config", "step", "source", "config"} and small["step"] == 2
+    assert all(torch.equal(small["model"][k], v) for k, v in full["model"].items())
+    assert summary["bytes_out"] < summary["bytes_in"] / 2  # the optimiser state was most of it
+    # train.py --eval_only and eval.py read the export as they read the training checkpoint
+    assert train.main(cfg + [f"--out_dir={export}", "--eval_only=True"]) == \
+        train.main(cfg + [f"--out_dir={run}", "--eval_only=True"])
+    small_data(str(tmp_path / "data"))
+    capsys.readouterr()
+    ev.main([str(export / "ckpt.pt"), "--tokenizer", str(enc_file), "--data_dir", str(tmp_path / "data"),
+             "--limit", "2", "--tasks", "piqa", "--device", "cpu"])
+    assert "average" in capsys.readouterr().out
