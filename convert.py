@@ -27,7 +27,7 @@ import torch
 import prepare
 from configurator import load_config
 from data import atomic_write
-from model import GPT, GRANULARITY_SHAPES, PROJECTIONS, GPTConfig, load_state
+from model import GPT, GRANULARITY_SHAPES, PROJECTIONS, GPTConfig, load_checkpoint, load_state
 
 HF_URL = "https://huggingface.co"
 HF_FILE = "ckpt_step:38146.pt"  # the one file of each of the authors' repositories
@@ -64,19 +64,6 @@ RENAMES = [(re.compile(theirs), ours) for theirs, ours in [
 # latest model.py, `v_res_norm`). Only layer 0's is applied, so only it becomes our anchor_norms.{v,g}.
 INTERNAL_NORM = re.compile(r"transformer\.layers\.(\d+)\.attn\.([vg])_(?:res_)?norm\.weight")
 THEIR_LAMBDA = {"scalar": lambda H, D: (), "headwise": lambda H, D: (H,), "elementwise": lambda H, D: (H, D)}
-
-
-def read_checkpoint(path):
-    """The dict in a torch.save file, loaded with weights_only=True and memory-mapped, so that the
-    optimiser state we drop is never read from disk."""
-    try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except Exception as e:  # UnpicklingError for forbidden globals (code), others for corrupt files
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ValueError(f"{path}: not loadable with torch.load(weights_only=True) ({first})") from None
-    if not isinstance(ckpt, dict) or not isinstance(ckpt.get("model"), dict):
-        raise ValueError(f"{path}: no state dict 'model' in it: not a checkpoint of this code or of the authors'")
-    return ckpt
 
 
 def their_config(ckpt, sd, source):
@@ -244,7 +231,7 @@ def convert(src, out, cache_dir=CACHE_DIR, base_url=HF_URL):
     path, label = fetch(src, cache_dir, base_url)
     if os.path.abspath(out) == os.path.abspath(path):
         raise ValueError(f"--out {out}: that is the checkpoint being converted; write to another file")
-    ckpt = read_checkpoint(path)
+    ckpt = load_checkpoint(path, keys=("model",), mmap=True)  # the optimiser state is never read
     if "model_config" in ckpt:
         config, sd = from_ours(ckpt, path)
         kind, note = "checkpoint of this code", f"weights-only export of {label} by convert.py"

@@ -340,19 +340,20 @@ class GPT(nn.Module):
 
 # ----------------------------------------------------------------------------- checkpoints
 
-def load_checkpoint(path, map_location="cpu"):
-    """The dict saved by train.py (or convert.py), read with weights_only=True: tensors and plain types
-    only, so a checkpoint can never run code."""
+def load_checkpoint(path, keys=("model", "model_config"), mmap=False):
+    """The dict saved by train.py (or convert.py) on the CPU, read with torch.load(weights_only=True):
+    tensors and plain types only, so a checkpoint can never run code. keys: what it must hold.
+    mmap: map the tensors instead of reading them (those never used are never read from disk)."""
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{path}: no checkpoint there")
     try:
-        ckpt = torch.load(path, map_location=map_location, weights_only=True)
+        ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except Exception as e:  # torch raises UnpicklingError for forbidden globals, others for corrupt files
         first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ValueError(f"{path}: not a loadable checkpoint ({first_line})") from None
-    missing = [k for k in ("model", "model_config") if not isinstance(ckpt, dict) or k not in ckpt]
+        raise ValueError(f"{path}: not loadable with torch.load(weights_only=True) ({first_line})") from None
+    missing = [k for k in keys if not isinstance(ckpt, dict) or k not in ckpt]
     if missing:
-        raise ValueError(f"{path}: not a checkpoint of this project (no {' or '.join(missing)})")
+        raise ValueError(f"{path}: not a checkpoint of this code (no {' or '.join(missing)})")
     return ckpt
 
 

@@ -377,10 +377,10 @@ def test_checkpoint_with_pickled_callable_is_refused(tmp_path):
     out = tmp_path / "evil"
     out.mkdir()
     torch.save({"model": {}, "model_config": {}, "payload": Boom()}, out / "ckpt.pt")
-    with pytest.raises(ValueError, match="ckpt.pt: not a loadable checkpoint"):
+    with pytest.raises(ValueError, match=r"ckpt.pt: not loadable with torch.load\(weights_only=True\)"):
         load_checkpoint(str(out / "ckpt.pt"))
     r = run_cli(["--init_from=resume", f"--out_dir={out}"], check=False, cwd=tmp_path)
-    assert r.returncode != 0 and "not a loadable checkpoint" in r.stderr
+    assert r.returncode != 0 and "not loadable with torch.load(weights_only=True)" in r.stderr
     assert not (tmp_path / "PWNED").exists() and not os.path.exists(os.path.join(ROOT, "PWNED"))
 
 
