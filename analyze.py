@@ -253,7 +253,7 @@ def read_curve(ckpt_path):
             except ValueError:  # e.g. a line cut by a crash: the rest of the log is still good
                 print(f"note: {log}:{n}: not JSON, skipped", file=sys.stderr)
                 continue
-            if isinstance(entry, dict) and isinstance(entry.get("val_loss"), (int, float)):
+            if isinstance(entry, dict) and "step" in entry and isinstance(entry.get("val_loss"), (int, float)):
                 curve.append([entry["step"], entry["val_loss"]])
     return curve
 
@@ -376,7 +376,7 @@ def plot(results, out):
     def panels(n, size=(4.6, 3.6)):
         cols = 2 if n == 4 else min(3, n)
         rows = math.ceil(n / cols)
-        fig, axes = plt.subplots(rows, cols, figsize=(size[0] * cols, size[1] * rows), squeeze=False,
+        fig, axes = plt.subplots(rows, cols, figsize=(max(6.4, size[0] * cols), size[1] * rows), squeeze=False,
                                  layout="constrained")
         for ax in axes.flat[n:]:
             ax.set_visible(False)
@@ -403,11 +403,12 @@ def plot(results, out):
                            cmap="viridis", interpolation="nearest")
             ax.set_title(name[p] + (" (with dynamic scales)" if results[p]["lambda_ratio_effective"] else ""),
                          fontsize=9)
-            ax.set_xlabel({1: "(scalar)", results[p]["config"]["n_head"]: "head"}.get(mats[p].shape[1], "channel (head-major)"))
+            ax.set_xlabel({1: "(scalar)", results[p]["config"]["n_head"]: "head"}.get(mats[p].shape[1],
+                                                                                     "channel (head-major)"))
             ax.set_ylabel("layer")
             layer_ticks(ax, ax.xaxis, ax.yaxis)
             fig.colorbar(im, ax=ax)
-        fig.suptitle(f"λ1/λ2 of the {PROJ_NAMES[s]}: reliance on the anchor (> 1) vs the layer's own projection")
+        fig.suptitle(f"{PROJ_NAMES[s]}: λ1/λ2, anchor vs the layer's own projection")
         save(fig, f"lambda_ratio_{s}.png")
 
     # Figure 6: λ1/λ2 per layer (mean over channels), every mixed projection, models together
@@ -419,7 +420,7 @@ def plot(results, out):
                 if s in e["lambda_ratio"]:
                     rows = ratio_rows(e, s)
                     ax.plot(range(len(rows)), [math.nan if r is None else float(np.mean(r)) for r in rows],
-                            marker="o", ms=3, label=name[p])
+                            marker="o", ms=3, label=name[p] + (" (effective)" if e["lambda_ratio_effective"] else ""))
             ax.axhline(1, color="gray", ls="--", lw=0.8)
             ax.set(title=f"{PROJ_NAMES[s]}: mean λ1/λ2", xlabel="layer", ylabel="λ1/λ2")
             layer_ticks(ax)
@@ -453,7 +454,7 @@ def plot(results, out):
     for ax, k in zip(axes, TOP_K):
         for p, e in results.items():
             ax.plot(e["top_k_attention"][str(k)], marker="o", ms=3, label=name[p])
-        ax.set(title=f"top-{k} attention: mean of the {k} largest weight{'s' if k > 1 else ''}", xlabel="layer")
+        ax.set(title=f"mean of the top-{k} attention weight{'s' if k > 1 else ''}", xlabel="layer")
         layer_ticks(ax)
     axes[0].legend(fontsize=8)
     save(fig, "top_k_attention.png")
@@ -466,7 +467,7 @@ def plot(results, out):
         ax.set(title=name[p], xlabel="hidden state", ylabel="hidden state")
         layer_ticks(ax, ax.xaxis, ax.yaxis)
         fig.colorbar(im, ax=ax)
-    fig.suptitle("cosine similarity of the hidden states of two layers (0 = embeddings)")
+    fig.suptitle("cosine similarity of two layers' hidden states (0 = embeddings)")
     save(fig, "layer_similarity.png")
 
     # Figure 2: validation loss over training
@@ -476,6 +477,11 @@ def plot(results, out):
         for p in having:
             steps, losses = zip(*results[p]["curve"])
             ax.plot(steps, losses, marker=".", label=name[p])
+        # the untrained model's loss at step 0 would squash the rest of the curves: clip it
+        later = [v for p in having for _, v in results[p]["curve"][1:]]
+        if later:
+            spread = max(later) - min(later) or 1.0
+            ax.set_ylim(min(later) - 0.05 * spread, max(later) + 0.1 * spread)
         ax.set(title="validation loss during training (log.jsonl)", xlabel="step", ylabel="val loss")
         ax.legend(fontsize=8)
         ax.grid(alpha=0.3)
@@ -490,7 +496,8 @@ def plot(results, out):
         ax.bar_label(bars, labels=["" if math.isnan(v) else f"{v:.2f}" for v in vals], fontsize=8)
     ax.set_xticks(x, [name[p] for p in results], rotation=15, ha="right", fontsize=8)
     ax.set(title="anchor removal at inference (§4.5)", ylabel="val loss")
-    ax.legend(fontsize=8)
+    ax.set_ylim(top=1.25 * ax.get_ylim()[1])  # room for the legend above the bars
+    ax.legend(fontsize=8, loc="upper left", ncols=2)
     save(fig, "anchor_removal.png")
     return files
 

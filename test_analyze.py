@@ -134,7 +134,8 @@ def test_lambda_ratios_by_hand():
 def test_variant_names():
     names = {f: an.variant_name(GPTConfig(**kw)) for f, kw in {
         "gated": dict(gate=True), "base": {}, "res": dict(anchor="internal", mix="v"),
-        "dyn": DYN_EXO, "nures": dict(gate=True, anchor="internal", mix="qkvg", granularity="headwise", anchor_norm=True),
+        "dyn": DYN_EXO,
+        "nures": dict(gate=True, anchor="internal", mix="qkvg", granularity="headwise", anchor_norm=True),
         "nkqr": dict(gate=True, anchor="internal", mix="vg", granularity="elementwise")}.items()}
     assert names == {"gated": "Gated Attention", "base": "Baseline", "res": "ResFormer",
                      "dyn": "Dynamic E-ExoFormer", "nures": "H-NuResFormer",
@@ -232,6 +233,7 @@ def two_checkpoints(tmp_path):
         for line in ({"step": 0, "config": {}}, {"step": 0, "val_loss": 4.2}, {"step": 10, "train_loss": 4.0},
                      {"step": 20, "train_loss": 3.9, "val_loss": 3.8}):
             f.write(json.dumps(line) + "\n")
+        f.write('{"step": 30, "val_lo')  # a line cut by a crash: skipped with a note
     return gated, dyn
 
 
