@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import convert
+import data
 import eval as ev
-import prepare
 import train
 from configurator import load_config
 from model import GPT, GPTConfig, load_model
@@ -236,8 +236,8 @@ def test_refuses_files_that_are_not_checkpoints(tmp_path, monkeypatch):
 
 @pytest.fixture
 def fast(monkeypatch):
-    monkeypatch.setattr(prepare, "BACKOFF", 0.0)
-    monkeypatch.setattr(prepare, "TIMEOUT", (2, 1))
+    monkeypatch.setattr(data, "BACKOFF", 0.0)
+    monkeypatch.setattr(data, "TIMEOUT", (2, 1))
 
 
 def test_download_resumes_after_a_cut_and_is_cached(server, fast, tmp_path):
@@ -266,7 +266,7 @@ def test_download_resumes_after_a_cut_and_is_cached(server, fast, tmp_path):
 
 
 def test_truncated_download_is_never_used(server, fast, tmp_path, monkeypatch):
-    monkeypatch.setattr(prepare, "MAX_TRIES", 2)
+    monkeypatch.setattr(data, "MAX_TRIES", 2)
     buf = io.BytesIO()
     torch.save(their_checkpoint(random_model(), "model1"), buf)
     server.files["J/T/resolve/main/ckpt_step%3A38146.pt"] = buf.getvalue()[:-100]  # a complete-looking body
