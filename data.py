@@ -17,6 +17,7 @@ import tiktoken
 import torch
 from tiktoken.load import load_tiktoken_bpe
 from tqdm import tqdm
+from urllib3.exceptions import NewConnectionError
 
 GPT2_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?!\S)|\s"""
 
@@ -295,6 +296,15 @@ class ByteBar:
         self.bar.close()
 
 
+def cannot_connect(e):
+    """The reason when no connection could be made at all (the name does not resolve, the port refuses):
+    offline, retrying only waits. None for what can recover: timeouts, connections cut mid-answer."""
+    reason = getattr(e.args[0], "reason", None) if e.args and not isinstance(e, requests.Timeout) else None
+    if isinstance(reason, NewConnectionError):  # NameResolutionError is one too
+        return f"{type(reason).__name__}: {str(reason).split('>: ', 1)[-1]}"  # drop urllib3's object repr
+    return None
+
+
 def _attempt(url, part, have, bar, counted, stop):
     """One HTTP request: append to `part` from byte `have`, or rewrite it when the server ignores
     the Range header. Returns the file size the server announced (None if it did not say)."""
@@ -335,10 +345,11 @@ def _attempt(url, part, have, bar, counted, stop):
     return total
 
 
-def download_file(url, dest, bar=None, stop=None, *, check):
+def download_file(url, dest, bar=None, stop=None, *, check, offline_copy=None):
     """Download url to dest through dest + '.part', resuming with HTTP Range requests and retrying
     with exponential backoff. dest appears only once the size the server announced and check(path)
-    pass; check raises ValueError('not a valid ...') for an incomplete or foreign file."""
+    pass; check raises ValueError('not a valid ...') for an incomplete or foreign file. A host that
+    cannot be reached at all fails at once, saying to copy `offline_copy` (default: dest) instead."""
     part = dest + ".part"
     bar = bar or ByteBar(disable=True)
     counted = [False]  # whether this file's size is in the bar's total yet
@@ -369,6 +380,10 @@ def download_file(url, dest, bar=None, stop=None, *, check):
                 requests.exceptions.InvalidSchema) as e:
             raise DownloadError(f"{url}: invalid URL ({e})") from None
         except (_Retry, requests.RequestException) as e:  # timeouts, dropped connections, 5xx
+            reason = cannot_connect(e)
+            if reason:
+                raise DownloadError(f"{url}: cannot connect ({reason}); without internet, copy "
+                                    f"{offline_copy or dest} from a machine with internet") from None
             error = e
         restart = getattr(error, "restart", False)
         failures = 1 if size() > have and not restart else failures + 1

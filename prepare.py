@@ -66,7 +66,8 @@ def download_shards(data_dir, train_shards=NUM_TRAIN_SHARDS, workers=4, base_url
     try:
         with ThreadPoolExecutor(workers) as pool:
             jobs = [pool.submit(download_file, f"{base_url.rstrip('/')}/{name}",
-                                os.path.join(data_dir, name), bar, stop, check=valid_shard) for name in todo]
+                                os.path.join(data_dir, name), bar, stop, check=valid_shard,
+                                offline_copy=f"the shards into {data_dir}") for name in todo]
             try:
                 for job in as_completed(jobs):
                     job.result()

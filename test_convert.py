@@ -276,6 +276,15 @@ def test_truncated_download_is_never_used(server, fast, tmp_path, monkeypatch):
     assert os.listdir(cache / "J" / "T") == []
 
 
+def test_unreachable_host_fails_at_once_with_the_offline_hint(closed_url, tmp_path, monkeypatch):
+    monkeypatch.setattr(data.time, "sleep", lambda s: pytest.fail(f"slept {s}s before retrying"))
+    cache = tmp_path / "cache"
+    msg = refused(["J/T", "--cache_dir", str(cache), "--base_url", closed_url], tmp_path)
+    assert msg.startswith(f"convert.py: error: {closed_url}/J/T/resolve/main/ckpt_step%3A38146.pt: cannot connect (")
+    assert "Connection refused" in msg
+    assert msg.endswith(f"without internet, copy {cache / 'J' / 'T' / 'ckpt_step:38146.pt'} from a machine with internet")
+
+
 # ----------------------------------------------------------------------------- end to end
 
 def test_eval_py_scores_a_converted_file(tmp_path, enc_file):

@@ -211,6 +211,22 @@ def test_persistent_5xx_gives_up(server, tmp_path, monkeypatch):
     assert name in files
 
 
+@pytest.mark.parametrize("where", ["refused", "no such host"])
+def test_unreachable_host_fails_at_once_with_the_offline_hint(where, closed_url, tmp_path, monkeypatch):
+    """No connection at all (offline): no retries, no waiting, one line naming the URL and the way out."""
+    url = closed_url if where == "refused" else "http://nonexistent.invalid/shards"
+    monkeypatch.setattr(data.time, "sleep", lambda s: pytest.fail(f"slept {s}s before retrying"))
+    out = tmp_path / "shards"
+    with pytest.raises(SystemExit) as e:
+        prepare.main(["--data_dir", str(out), "--train_shards", "1", "--workers", "2", "--base_url", url])
+    msg = str(e.value)
+    assert msg.startswith(f"prepare.py: error: {url}/finewebedu_") and "\n" not in msg
+    assert ": cannot connect (" in msg
+    assert ("Connection refused" if where == "refused" else "nonexistent.invalid") in msg
+    assert msg.endswith(f"without internet, copy the shards into {out} from a machine with internet")
+    assert os.listdir(out) == []
+
+
 def test_download_cli(server, tmp_path):
     files = publish(server, 2)
     out = tmp_path / "shards"
