@@ -33,15 +33,19 @@ def enc(enc_file):
 
 
 @pytest.fixture
-def offline(tmp_path, monkeypatch):
-    """No internet, for real: every requests.get goes to a closed port on 127.0.0.1 (connection refused),
-    and tiktoken's cache is an empty folder (so its `gpt2` vocabulary must be downloaded, and fails)."""
+def closed_url():
+    """http://127.0.0.1:PORT where nothing listens: every connection to it is refused."""
     import socket
-
-    import requests
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]  # closed when the block ends: nothing listens there
+        return f"http://127.0.0.1:{s.getsockname()[1]}"  # the port closes as the block ends
+
+
+@pytest.fixture
+def offline(tmp_path, monkeypatch, closed_url):
+    """No internet, for real: every requests.get goes to a closed port on 127.0.0.1 (connection refused),
+    and tiktoken's cache is an empty folder (so its `gpt2` vocabulary must be downloaded, and fails)."""
+    import requests
     real_get = requests.get
-    monkeypatch.setattr(requests, "get", lambda url, *a, **k: real_get(f"http://127.0.0.1:{port}/", *a, **k))
+    monkeypatch.setattr(requests, "get", lambda url, *a, **k: real_get(f"{closed_url}/", *a, **k))
     monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path / "tiktoken_cache"))

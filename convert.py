@@ -24,9 +24,8 @@ from dataclasses import asdict
 
 import torch
 
-import prepare
 from configurator import load_config
-from data import atomic_write
+from data import ByteBar, DownloadError, atomic_write, download_file
 from model import GPT, GRANULARITY_SHAPES, PROJECTIONS, GPTConfig, load_checkpoint, load_state
 
 HF_URL = "https://huggingface.co"
@@ -218,9 +217,9 @@ def fetch(src, cache_dir=CACHE_DIR, base_url=HF_URL):
         pass
     os.makedirs(os.path.dirname(dest), exist_ok=True)
     url = f"{base_url.rstrip('/')}/{repo}/resolve/main/{urllib.parse.quote(filename)}"  # ':' -> %3A
-    bar = prepare.ByteBar(desc=filename)
+    bar = ByteBar(desc=filename)
     try:
-        prepare.download_file(url, dest, bar, check=complete_zip)
+        download_file(url, dest, bar, check=complete_zip)
     finally:
         bar.close()
     return dest, f"{repo}/{filename}"
@@ -270,7 +269,7 @@ def main(argv=None):
     args = p.parse_args(argv)
     try:
         return convert(args.src, args.out, args.cache_dir, args.base_url)
-    except (ValueError, OSError, prepare.DownloadError) as e:
+    except (ValueError, OSError, DownloadError) as e:
         raise SystemExit(f"convert.py: error: {e}")
     except KeyboardInterrupt:
         raise SystemExit("convert.py: interrupted; the same command resumes the download, nothing else was written")

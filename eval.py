@@ -26,9 +26,8 @@ import requests
 import torch
 import torch.nn.functional as F
 from tqdm import tqdm
-from urllib3.exceptions import NewConnectionError
 
-from data import atomic_write, load_encoding
+from data import atomic_write, cannot_connect, load_encoding
 from model import load_model
 
 # -----------------------------------------------------------------------------
@@ -270,15 +269,6 @@ PAGE = 100  # rows per request: the API's maximum
 RETRIES = 6  # retries per page on 429, 5xx, timeouts and dropped connections (not on unreachable hosts)
 RETRY_DELAY = 2.0  # seconds before the first retry, doubled after each (tests set it to ~0)
 TIMEOUT = 60  # seconds per request
-
-
-def cannot_connect(e):
-    """The reason when no connection could be made at all (the name does not resolve, the port refuses):
-    offline, retrying only waits. None for what can recover: timeouts, connections cut mid-answer."""
-    reason = getattr(e.args[0], "reason", None) if e.args and not isinstance(e, requests.Timeout) else None
-    if isinstance(reason, NewConnectionError):  # NameResolutionError is one too
-        return f"{type(reason).__name__}: {str(reason).split('>: ', 1)[-1]}"  # drop urllib3's object repr
-    return None
 
 
 def get_json(url, params):

@@ -19,95 +19,17 @@ import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
 
 import numpy as np
-import requests
 from tqdm import tqdm
 
-from data import load_encoding, read_header, write_shard
+from data import ByteBar, DownloadError, download_file, load_encoding, read_header, write_shard
 
 BASE_URL = "https://huggingface.co/datasets/kjj0/finewebedu10B-gpt2/resolve/main"
 NUM_TRAIN_SHARDS = 99
-MAX_TRIES = 8       # failed attempts in a row before giving up on a file (an attempt that
-                    # brings new bytes resets the count, so a flaky link still gets there)
-BACKOFF = 1.0       # seconds before the first retry, doubled after each failure (tests set 0)
-TIMEOUT = (10, 60)  # seconds: connect, and silence while reading
-
-
-class DownloadError(RuntimeError):
-    pass
-
-
-class _Retry(Exception):
-    """A failure worth another attempt (5xx, dropped connection, short body). restart=True: the
-    partial file is useless (the server will not resume it, or it is complete but invalid)."""
-
-    def __init__(self, message, restart=False):
-        super().__init__(message)
-        self.restart = restart
-
-
-class ByteBar:
-    """One tqdm bar of bytes shared by the download threads (totals are learnt as files start)."""
-
-    def __init__(self, **kw):
-        self.bar = tqdm(total=0, unit="B", unit_scale=True, unit_divisor=1024, **kw)
-        self.lock = threading.Lock()
-
-    def grow(self, total):
-        with self.lock:
-            self.bar.total += total
-            self.bar.refresh()
-
-    def update(self, n):
-        with self.lock:
-            self.bar.update(n)
-
-    def close(self):
-        self.bar.close()
 
 
 def shard_names(train_shards):
     return ["finewebedu_val_000000.bin"] + [f"finewebedu_train_{i:06d}.bin"
                                             for i in range(1, train_shards + 1)]
-
-
-def _attempt(url, part, have, bar, counted, stop):
-    """One HTTP request: append to `part` from byte `have`, or rewrite it when the server ignores
-    the Range header. Returns the file size the server announced (None if it did not say)."""
-    headers = {"Accept-Encoding": "identity"}  # byte ranges must refer to the file itself
-    if have:
-        headers["Range"] = f"bytes={have}-"
-    with requests.get(url, headers=headers, stream=True, timeout=TIMEOUT) as r:
-        if r.status_code == 404:
-            raise FileNotFoundError(f"{url}: HTTP 404 Not Found (no such file; check --base_url)")
-        if r.status_code == 416:  # our partial file is not shorter than theirs
-            raise _Retry("HTTP 416: the server rejected the resume range", restart=True)
-        if r.status_code >= 500 or r.status_code == 429:
-            raise _Retry(f"HTTP {r.status_code} {r.reason}")
-        if r.status_code == 206:
-            crange = r.headers.get("Content-Range", "")  # "bytes START-END/TOTAL"
-            try:
-                start, total = int(crange.split()[1].split("-")[0]), crange.split("/")[1]
-            except (IndexError, ValueError):
-                raise _Retry(f"unreadable Content-Range {crange!r}", restart=True) from None
-            if start != have:
-                raise _Retry(f"the server resumed at byte {start}, not {have}", restart=True)
-            total, mode = (int(total) if total.isdigit() else None), "ab"
-        elif r.status_code == 200:  # no range support (or a fresh start): rewrite from byte 0
-            length = r.headers.get("Content-Length", "")
-            total, mode = (int(length) if length.isdigit() else None), "wb"
-            bar.update(-have)
-        else:
-            raise DownloadError(f"{url}: HTTP {r.status_code} {r.reason}")
-        if total is not None and not counted[0]:
-            bar.grow(total)
-            counted[0] = True
-        with open(part, mode) as f:
-            for chunk in r.iter_content(chunk_size=1 << 20):
-                if stop is not None and stop.is_set():
-                    raise DownloadError(f"{url}: stopped")
-                f.write(chunk)
-                bar.update(len(chunk))
-    return total
 
 
 def valid_shard(path):
@@ -116,52 +38,6 @@ def valid_shard(path):
         read_header(path)
     except ValueError as e:
         raise ValueError(f"not a valid shard ({e})") from None
-
-
-def download_file(url, dest, bar=None, stop=None, check=valid_shard):
-    """Download url to dest through dest + '.part', resuming with HTTP Range requests and retrying
-    with exponential backoff. dest appears only once the size the server announced and check(path)
-    pass; check raises ValueError('not a valid ...') for an incomplete or foreign file."""
-    part = dest + ".part"
-    bar = bar or ByteBar(disable=True)
-    counted = [False]  # whether this file's size is in the bar's total yet
-    size = lambda: os.path.getsize(part) if os.path.exists(part) else 0
-    bar.update(size())  # bytes left by an interrupted run count as done
-    try:  # an interrupted run may have stopped just before the rename
-        check(part)
-        os.replace(part, dest)
-        return
-    except (ValueError, FileNotFoundError):
-        pass
-    failures = 0
-    while True:
-        if stop is not None and stop.is_set():
-            raise DownloadError(f"{url}: stopped")
-        have = size()
-        try:
-            total = _attempt(url, part, have, bar, counted, stop)
-            if total is not None and size() < total:
-                raise _Retry(f"the body ended after {size()} of {total} bytes")
-            try:
-                check(part)
-            except ValueError as e:
-                raise _Retry(f"downloaded file is {e}", restart=True) from None
-            os.replace(part, dest)
-            return
-        except (requests.exceptions.InvalidURL, requests.exceptions.MissingSchema,
-                requests.exceptions.InvalidSchema) as e:
-            raise DownloadError(f"{url}: invalid URL ({e})") from None
-        except (_Retry, requests.RequestException) as e:  # timeouts, dropped connections, 5xx
-            error = e
-        restart = getattr(error, "restart", False)
-        failures = 1 if size() > have and not restart else failures + 1
-        if restart and os.path.exists(part):
-            bar.update(-size())
-            os.remove(part)
-        if failures >= MAX_TRIES:
-            raise DownloadError(f"{url}: giving up after {failures} failed attempts in a row "
-                                f"(last: {error})")
-        time.sleep(min(BACKOFF * 2 ** (failures - 1), 60))
 
 
 def download_shards(data_dir, train_shards=NUM_TRAIN_SHARDS, workers=4, base_url=BASE_URL):
@@ -190,7 +66,8 @@ def download_shards(data_dir, train_shards=NUM_TRAIN_SHARDS, workers=4, base_url
     try:
         with ThreadPoolExecutor(workers) as pool:
             jobs = [pool.submit(download_file, f"{base_url.rstrip('/')}/{name}",
-                                os.path.join(data_dir, name), bar, stop) for name in todo]
+                                os.path.join(data_dir, name), bar, stop, check=valid_shard,
+                                offline_copy=f"the shards into {data_dir}") for name in todo]
             try:
                 for job in as_completed(jobs):
                     job.result()

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import convert
+import data
 import eval as ev
-import prepare
 import train
 from configurator import load_config
 from model import GPT, GPTConfig, load_model
@@ -236,8 +236,8 @@ def test_refuses_files_that_are_not_checkpoints(tmp_path, monkeypatch):
 
 @pytest.fixture
 def fast(monkeypatch):
-    monkeypatch.setattr(prepare, "BACKOFF", 0.0)
-    monkeypatch.setattr(prepare, "TIMEOUT", (2, 1))
+    monkeypatch.setattr(data, "BACKOFF", 0.0)
+    monkeypatch.setattr(data, "TIMEOUT", (2, 1))
 
 
 def test_download_resumes_after_a_cut_and_is_cached(server, fast, tmp_path):
@@ -266,7 +266,7 @@ def test_download_resumes_after_a_cut_and_is_cached(server, fast, tmp_path):
 
 
 def test_truncated_download_is_never_used(server, fast, tmp_path, monkeypatch):
-    monkeypatch.setattr(prepare, "MAX_TRIES", 2)
+    monkeypatch.setattr(data, "MAX_TRIES", 2)
     buf = io.BytesIO()
     torch.save(their_checkpoint(random_model(), "model1"), buf)
     server.files["J/T/resolve/main/ckpt_step%3A38146.pt"] = buf.getvalue()[:-100]  # a complete-looking body
@@ -274,6 +274,15 @@ def test_truncated_download_is_never_used(server, fast, tmp_path, monkeypatch):
     msg = refused(["J/T", "--cache_dir", str(cache), "--base_url", server.url], tmp_path)
     assert "giving up after 2 failed attempts" in msg and "not a complete torch.save file" in msg
     assert os.listdir(cache / "J" / "T") == []
+
+
+def test_unreachable_host_fails_at_once_with_the_offline_hint(closed_url, tmp_path, monkeypatch):
+    monkeypatch.setattr(data.time, "sleep", lambda s: pytest.fail(f"slept {s}s before retrying"))
+    cache = tmp_path / "cache"
+    msg = refused(["J/T", "--cache_dir", str(cache), "--base_url", closed_url], tmp_path)
+    assert msg.startswith(f"convert.py: error: {closed_url}/J/T/resolve/main/ckpt_step%3A38146.pt: cannot connect (")
+    assert "Connection refused" in msg
+    assert msg.endswith(f"without internet, copy {cache / 'J' / 'T' / 'ckpt_step:38146.pt'} from a machine with internet")
 
 
 # ----------------------------------------------------------------------------- end to end
