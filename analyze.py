@@ -19,7 +19,8 @@ residual stream after block i. "Every token" means every position of every windo
   lambda_ratio_effective   dynamic models: mean over every token of (λ1·s1)/(λ2·s2), s1, s2 the
                            token's dynamic scales, i.e. λ1/λ2 · mean(s1/s2).
   gate_mean, gate_sparsity mean of σ(g) and fraction of σ(g) < 0.2 over every (token, head, channel).
-  attention_sink           weight a query puts on position 0, averaged over every (window, head, query).
+  attention_sink           weight a query puts on the first key it can see (position 0; with document
+                           masking, its document's first token), averaged over every (window, head, query).
   attention_entropy        -Σ_j p_j log p_j (nats) of a query's attention row, same average.
   top_k_attention[k]       mean of the k largest weights of a query's row (keys it cannot see count as
                            weight 0), same average; k = 1, 2, 3, 10.
@@ -33,7 +34,8 @@ residual stream after block i. "Every token" means every position of every windo
   val_loss                 mean cross-entropy of the windows; val_loss_no_anchor the same with
                            model.drop_anchor = True (§4.5), null for models without anchors.
 Attention weights are softmax(q·kᵀ/√D) under attention_mask(), recomputed in float32 from the q, k
-that SDPA receives.
+that SDPA receives. Models trained with document masking (train.py's doc_mask, the authors' models)
+are run with it, attention and losses alike, as they were trained and validated.
 """
 import argparse
 import json
@@ -49,7 +51,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from data import atomic_write, val_batches
-from model import load_model
+from model import document_mask, load_model, trained_doc_mask
 
 TOP_K = (1, 2, 3, 10)
 GATE_CLOSED = 0.2  # σ(g) below this counts towards gate sparsity (Figure 7b)
@@ -58,22 +60,12 @@ ATTN_CHUNK = 1 << 24  # attention weights formed at once (heads × queries × ke
 PROJ_NAMES = {"q": "query", "k": "key", "v": "value", "g": "gate logit"}
 
 
-def variant_name(cfg):
-    """The paper's name of a model config ('Dynamic E-ExoFormer'), for tables, titles and legends."""
-    if cfg.anchor == "none":
-        return "Gated Attention" if cfg.gate else "Baseline"
-    if cfg.anchor == "internal" and cfg.mixed == "v" and not (cfg.gate or cfg.anchor_norm or cfg.dynamic):
-        return "ResFormer" if cfg.granularity == "scalar" else f"ResFormer ({cfg.granularity})"
-    name = cfg.granularity[0].upper() + ("-ExoFormer" if cfg.anchor == "exo" else "-NuResFormer")
-    notes = [n for n, off in (("no gate", not cfg.gate), (f"mix {cfg.mixed}", cfg.mixed not in ("qkv", "qkvg")),
-                              ("no anchor norm", not cfg.anchor_norm)) if off]
-    return ("Dynamic " if cfg.dynamic else "") + name + (f" ({', '.join(notes)})" if notes else "")
-
-
-def attention_mask(idx):
-    """idx (B, T) -> (B, T, T) bool, True where query t may attend to key s: the mask SDPA applies in
-    model.py (causal). The one place to change when attention learns document masks."""
+def attention_mask(idx, doc_mask=False):
+    """idx (B, T) -> (B, T, T) bool, True where query t may attend to key s: the mask model.py applies
+    (causal; with doc_mask, causal inside each document as well)."""
     B, T = idx.shape
+    if doc_mask:
+        return document_mask(idx, flex=False)[:, 0]
     return torch.ones(T, T, dtype=torch.bool, device=idx.device).tril().expand(B, T, T)
 
 
@@ -93,7 +85,8 @@ def attention_sums(q, k, mask):
             scores = q[b, :, t0:t0 + rows] @ k[b].mT / math.sqrt(D)  # (H, rows, T)
             p = scores.masked_fill(~mask[b, t0:t0 + rows], float("-inf")).softmax(dim=-1)
             top = p.topk(kmax, dim=-1).values.cumsum(dim=-1)  # (H, rows, kmax): sum of the j largest
-            sums[0] += p[..., 0].sum()
+            first = mask[b, t0:t0 + rows].int().argmax(-1)  # the first key a query sees: 0, or its document's start
+            sums[0] += p.gather(-1, first[None, :, None].expand(p.size(0), -1, 1)).sum()
             sums[1] -= torch.special.xlogy(p, p).sum()  # 0·log 0 = 0 for the keys it cannot see
             for i, j in enumerate(TOP_K):
                 sums[2 + i] += top[..., min(j, T) - 1].sum() / j
@@ -162,8 +155,8 @@ class Recorder:
             self.handles.append(block.register_forward_hook(self._state_hook(i + 1)))
             block.attn.inspect = self._attention_hook(i)
 
-    def begin(self, idx):
-        self.mask, self.batch_states = attention_mask(idx), []
+    def begin(self, idx, doc_mask=False):
+        self.mask, self.batch_states = attention_mask(idx, doc_mask), []
         self.tokens += idx.numel()
 
     def remove(self):
@@ -192,8 +185,8 @@ class Recorder:
         self.attn[i] += attention_sums(q, k, self.mask)
         if g is not None:
             self.gate[i] += gate_sums(g)
-        if scales is not None:  # (2|mix|, B, 1, T, 1) in the order s1, s2 of each mixed projection
-            ratio = scales[0::2].float() / scales[1::2].float()
+        if scales is not None:  # {λ name: (B, 1, T, 1)}
+            ratio = torch.stack([scales[s + "1"] / scales[s + "2"] for s in self.model.config.mixed]).float()
             self.scale_ratio[i] += ratio.flatten(1).double().sum(1)
             self.scale_tokens[i] += ratio[0].numel()
 
@@ -272,7 +265,7 @@ def windows(data_dir, tokens, batch_size, cfg):
 def analyze(path, data_dir, tokens, batch_size=8, device="cpu", dtype=torch.float32, desc=None):
     """Every metric of the module docstring for one checkpoint: a JSON-ready dict."""
     model, ckpt = load_model(path, device)
-    cfg = model.config
+    cfg, doc_mask = model.config, trained_doc_mask(ckpt)
     batches = windows(data_dir, tokens, batch_size, cfg)
     n_windows = sum(len(x) for x, _ in batches)
     amp = torch.autocast(torch.device(device).type, dtype=dtype) if dtype != torch.float32 else nullcontext()
@@ -281,20 +274,21 @@ def analyze(path, data_dir, tokens, batch_size=8, device="cpu", dtype=torch.floa
     try:
         for x, y in tqdm(batches, desc=desc, unit="batch", disable=desc is None):
             x, y = x.to(device), y.to(device)
-            rec.begin(x)
+            rec.begin(x, doc_mask)
             with amp:
-                losses.append(model(x, y)[1].item() * len(x))
+                losses.append(model(x, y, doc_mask=doc_mask)[1].item() * len(x))
             if cfg.anchor != "none":  # §4.5: the same windows with every anchor term removed
                 rec.active, model.drop_anchor = False, True
                 with amp:
-                    losses_no_anchor.append(model(x, y)[1].item() * len(x))
+                    losses_no_anchor.append(model(x, y, doc_mask=doc_mask)[1].item() * len(x))
                 rec.active, model.drop_anchor = True, False
         metrics = rec.results()
     finally:
         rec.remove()
-    return {"variant": variant_name(cfg), "config": asdict(cfg), "step": ckpt.get("step"),
+    return {"variant": cfg.name, "config": asdict(cfg), "step": ckpt.get("step"),
             "source": ckpt.get("source"), "params": model.num_params(), "data_dir": data_dir,
             "tokens": rec.tokens, "windows": n_windows, "dtype": str(dtype).removeprefix("torch."),
+            "doc_mask": doc_mask,
             "val_loss": sum(losses) / n_windows,
             "val_loss_no_anchor": sum(losses_no_anchor) / n_windows if losses_no_anchor else None,
             "curve": read_curve(path), **metrics}

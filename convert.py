@@ -160,20 +160,6 @@ def check_state(config, sd, source):
     return model.num_params()
 
 
-def variant_name(c):
-    """The paper's name of a model config (README's table), e.g. 'Dynamic E-ExoFormer'."""
-    if c.anchor == "none":
-        return "Gated Attention" if c.gate else "Baseline"
-    if (c.anchor, c.gate, c.mix, c.granularity, c.anchor_norm, c.dynamic) == ("internal", False, "v", "scalar",
-                                                                              False, False):
-        return "ResFormer"
-    name = f"{'Dynamic ' if c.dynamic else ''}{c.granularity[0].upper()}-" \
-           f"{'ExoFormer' if c.anchor == 'exo' else 'NuResFormer'}"
-    if c.mixed != PROJECTIONS[:4 if c.gate else 3]:
-        name += f" mixing {c.mixed} only"
-    return name + ("" if c.anchor_norm else ", raw anchors")
-
-
 def config_file(config):
     """(path, True) for the file of configs/ that builds this model (vocab_size aside), else (path, False)
     for one of the same variant at another size, else (None, False)."""
@@ -247,7 +233,7 @@ def convert(src, out, cache_dir=CACHE_DIR, base_url=HF_URL):
     step = ckpt.get("step")
     match, same = config_file(config)
     where = f"= {match}" if same else f"as {match} at another size" if match else "no file in configs/ matches"
-    print(f"{label}: {kind}: {variant_name(config)} ({where}), {config.n_layer} layers, C={config.n_embd}, "
+    print(f"{label}: {kind}: {config.name} ({where}), {config.n_layer} layers, C={config.n_embd}, "
           f"vocab {config.vocab_size}, step {step}")
     result = {"model": sd, "model_config": asdict(config), "step": step, "source": note, **extra}
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)

@@ -19,6 +19,7 @@ from dataclasses import dataclass, fields
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 PROJECTIONS = "qkvg"  # order of the projections in c_attn and anchor_proj: query, key, value, gate logit
@@ -27,6 +28,7 @@ GRANULARITY_SHAPES = {"scalar": lambda H, D: (), "headwise": lambda H, D: (H, 1,
 DYN_HIDDEN = 16  # width of the dynamic-mixing MLP (paper §3.6)
 INIT_STD = 0.02
 EOT = 50256  # GPT-2's <|endoftext|>: in the packed training windows, each one opens a new document
+LOSS_CHUNK = 2048  # tokens per chunk of lm_head + loss: a chunk's (2048, V) fp32 logits are transient, 0.4 GB
 
 
 class RMSNorm(nn.Module):
@@ -52,9 +54,9 @@ class Rotary(nn.Module):
         self.register_buffer("cos", angles.cos(), persistent=False)
         self.register_buffer("sin", angles.sin(), persistent=False)
 
-    def forward(self, x):  # (B, H, T, D) -> (B, H, T, D)
+    def forward(self, x, start=0):  # (B, H, T, D) at positions start.. -> (B, H, T, D)
         T = x.size(-2)
-        cos, sin = self.cos[:T].to(x.dtype), self.sin[:T].to(x.dtype)
+        cos, sin = self.cos[start:start + T].to(x.dtype), self.sin[start:start + T].to(x.dtype)
         x1, x2 = x.chunk(2, dim=-1)
         return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
@@ -78,79 +80,91 @@ compiled_flex_attention = torch.compile(flex_attention, dynamic=False)
 
 
 def attention(q, k, v, mask):
-    """Causal attention (B, H, T, D) -> (B, H, T, D); mask: None (plain causal: flash SDPA on CUDA), a
-    BlockMask (FlexAttention) or a dense bool mask (SDPA), both from document_mask."""
+    """Causal attention (B, H, Tq, D), (B, H, Tk, D) -> (B, H, Tq, D); mask: None (plain causal: flash SDPA on
+    CUDA; a single query, the newest token of generation, sees every key), or from document_mask."""
     if mask is None:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=q.size(-2) > 1)
     if isinstance(mask, BlockMask):
         return (compiled_flex_attention if q.is_cuda else flex_attention)(q, k, v, block_mask=mask)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
 class DynamicScale(nn.Module):
-    """Per-token scales of the mixing coefficients (Eq. 12), one per λ: order q1, q2, k1, k2, ..."""
+    """Eq. 12: one per-token scale for each λ of a layer,  s = sigmoid(W2 · GELU(W1 · x) + b2),  where x is
+    the layer's attention input (the RMS-normed hidden state). W2 and b2 start at zero: every s starts at 0.5."""
 
-    def __init__(self, n_embd, n_lambda):
+    def __init__(self, n_embd, names):
         super().__init__()
+        self.names = names  # the λ they scale: q1, q2, k1, k2, ...
         self.fc1 = nn.Linear(n_embd, DYN_HIDDEN, bias=False)
-        self.fc2 = nn.Linear(DYN_HIDDEN, n_lambda, bias=True)
+        self.fc2 = nn.Linear(DYN_HIDDEN, len(names), bias=True)
 
-    def forward(self, x):  # (B, T, C) -> (n_lambda, B, 1, T, 1)
-        s = torch.sigmoid(self.fc2(F.gelu(self.fc1(x))))
-        return s.permute(2, 0, 1)[:, :, None, :, None]
+    def forward(self, x):  # (B, T, C) -> {λ name: (B, 1, T, 1)}, broadcast over heads and channels
+        s = torch.sigmoid(self.fc2(F.gelu(self.fc1(x))))  # (B, T, n)
+        return dict(zip(self.names, s.transpose(1, 2)[..., None].split(1, dim=1)))
+
+
+def mix(own, anchor, lam1, lam2, s1=None, s2=None):
+    """Eq. 10,  Ŝ = λ1 ⊙ N(S_anc) + λ2 ⊙ S,  and Eq. 12,  Ŝ = s1·λ1 ⊙ N(S_anc) + s2·λ2 ⊙ S.  own S and anchor
+    N(S_anc) (B, H, T, D); anchor None when anchors are removed (§4.5); λ fp32 parameters, cast so that bf16
+    activations stay bf16 under autocast; s1, s2 (B, 1, T, 1) the per-token scales, or None."""
+    out = lam2.to(own.dtype) * own
+    if s2 is not None:
+        out = out * s2
+    if anchor is not None:
+        a = lam1.to(own.dtype) * anchor
+        out = out + (a if s1 is None else a * s1)
+    return out
 
 
 class CausalSelfAttention(nn.Module):
 
     def __init__(self, config, mixing):
         super().__init__()
-        self.n_head, self.head_dim = config.n_head, config.head_dim
-        self.gate, self.anchor_norm = config.gate, config.anchor_norm
+        self.n_head, self.head_dim, self.gate = config.n_head, config.head_dim, config.gate
         self.names = PROJECTIONS[:4 if config.gate else 3]
         self.c_attn = nn.Linear(config.n_embd, len(self.names) * config.n_embd, bias=False)
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=False)
         self.q_norm, self.k_norm = RMSNorm(self.head_dim), RMSNorm(self.head_dim)  # QK-norm, shared by heads
         self.rotary = Rotary(self.head_dim, config.block_size, config.rope_theta)
-        # Mixing coefficients λ_{n,1} (anchor) and λ_{n,2} (own projection) for every mixed projection
+        # λ_{n,1} (anchor) and λ_{n,2} (own projection) of every mixed projection, all built in one loop
         self.mix = config.mixed if mixing else ""
         shape = GRANULARITY_SHAPES[config.granularity](config.n_head, config.head_dim)
-        init = 1.0 if config.dynamic else 0.5  # dynamic: sigmoid(0) = 0.5 at init brings it back to 0.5
-        self.lam = nn.ParameterDict({f"{s}{i}": nn.Parameter(torch.full(shape, init))
-                                     for s in self.mix for i in "12"})
-        self.dyn = DynamicScale(config.n_embd, 2 * len(self.mix)) if (self.mix and config.dynamic) else None
+        init = 1.0 if config.dynamic else 0.5  # dynamic: times the initial scale 0.5, λ is 0.5 again
+        names = [f"{s}{i}" for s in self.mix for i in "12"]  # q1, q2, k1, ... (ParameterDict sorts its keys)
+        self.lam = nn.ParameterDict({name: nn.Parameter(torch.full(shape, init)) for name in names})
+        self.dyn = DynamicScale(config.n_embd, names) if (self.mix and config.dynamic) else None
         # Inspection hook for analysis (analyze.py); training never sets it. Called once per forward as
         # inspect(q=, k=, g=, scales=): q, k (B, H, T, D) as they enter attention (mixed, QK-normed, RoPE),
-        # g the mixed gate logits (B, H, T, D) or None, scales the dynamic scales (2|mix|, B, 1, T, 1) or None.
+        # g the mixed gate logits (B, H, T, D) or None, scales DynamicScale's {λ name: (B, 1, T, 1)} or None.
         self.inspect = None
 
-    def forward(self, x, anchors, mask=None):
-        # x (B, T, C), anchors {name: (B, H, T, D)} or None, mask from document_mask or None
-        # -> y (B, T, C), projections {name: (B, H, T, D)}
+    def forward(self, x, anchors=None, mask=None, cache=None):
+        # x (B, T, C); anchors {s: (B, H, T, D)}, normalised, or None; mask from document_mask or None;
+        # cache: generation's keys and values of the earlier positions ({} at first), or None
+        # -> y (B, T, C), this layer's projections {s: (B, H, T, D)} (mixed, before QK-norm)
         B, T, C = x.shape
-        parts = self.c_attn(x).view(B, T, len(self.names), self.n_head, self.head_dim).transpose(1, 3)
-        proj = dict(zip(self.names, parts.unbind(2)))  # each (B, H, T, D)
-        dyn = self.dyn(x) if self.dyn is not None else None
-        scales = iter(dyn) if dyn is not None else None
-        for s in self.mix:
-            lam1, lam2 = self.lam[s + "1"], self.lam[s + "2"]
-            if scales is not None:  # Eq. 12: per-token scaling of both coefficients
-                lam1, lam2 = lam1 * next(scales), lam2 * next(scales)
-            dtype = proj[s].dtype  # fp32 λ must not promote bf16 activations under autocast
-            mixed = lam2.to(dtype) * proj[s]
-            if anchors is not None:  # anchors is None when they are removed at inference (SPEC §3.6)
-                mixed = mixed + lam1.to(dtype) * anchors[s]  # Eq. 10
-            proj[s] = mixed
-        q, k = self.q_norm(proj["q"]), self.k_norm(proj["k"])
-        if self.anchor_norm:  # internal anchors for q and k are the first layer's QK-normed q and k
-            proj.update(q=q, k=k)
-        q, k = self.rotary(q), self.rotary(k)
+        qkvg = self.c_attn(x).view(B, T, len(self.names), self.n_head, self.head_dim)  # (B, T, 3 or 4, H, D)
+        proj = dict(zip(self.names, qkvg.transpose(1, 3).unbind(2)))  # each (B, H, T, D)
+        scales = self.dyn(x) if self.dyn is not None else {}  # Eq. 12
+        for s in self.mix:  # Eq. 10
+            args = (proj[s], None if anchors is None else anchors[s], self.lam[s + "1"], self.lam[s + "2"],
+                    scales.get(s + "1"), scales.get(s + "2"))
+            # per-token scales: recompute the products in backward rather than keep a (B, H, T, D) per λ
+            proj[s] = checkpoint(mix, *args, use_reentrant=False) if scales and torch.is_grad_enabled() \
+                else mix(*args)
+        start = cache["k"].size(2) if cache else 0  # position of x's first token
+        q, k, v = self.rotary(self.q_norm(proj["q"]), start), self.rotary(self.k_norm(proj["k"]), start), proj["v"]
+        if cache is not None:  # generation: the new positions attend to the cached ones too
+            if cache:
+                k, v = torch.cat((cache["k"], k), dim=2), torch.cat((cache["v"], v), dim=2)
+            cache.update(k=k, v=v)
         if self.inspect is not None:
-            self.inspect(q=q, k=k, g=proj.get("g"), scales=dyn)
-        y = attention(q, k, proj["v"], mask)
+            self.inspect(q=q, k=k, g=proj.get("g"), scales=scales or None)
+        y = attention(q, k, v, mask)
         if self.gate:  # Gated Attention (G1): elementwise sigmoid gate on the SDPA output
             y = y * torch.sigmoid(proj["g"])
-        y = y.transpose(1, 2).reshape(B, T, C)
-        return self.c_proj(y), proj
+        return self.c_proj(y.transpose(1, 2).reshape(B, T, C)), proj
 
 
 class MLP(nn.Module):
@@ -173,8 +187,8 @@ class Block(nn.Module):
         self.attn = CausalSelfAttention(config, mixing)
         self.mlp = MLP(config)
 
-    def forward(self, h, anchors, mask=None):  # (B, T, C) -> (B, T, C), this layer's projections
-        a, proj = self.attn(self.ln_1(h), anchors, mask)
+    def forward(self, h, anchors=None, mask=None, cache=None):  # (B, T, C) -> (B, T, C), this layer's projections
+        a, proj = self.attn(self.ln_1(h), anchors, mask, cache)
         h = h + a
         return h + self.mlp(self.ln_2(h)), proj
 
@@ -238,13 +252,27 @@ class GPTConfig:
         """The mixed projections in canonical order ('gvq' -> 'qvg')."""
         return "".join(s for s in PROJECTIONS if s in self.mix)
 
+    @property
+    def name(self):
+        """The paper's name of the variant ('Dynamic E-ExoFormer'), for tables, titles and legends."""
+        if self.anchor == "none":
+            return "Gated Attention" if self.gate else "Baseline"
+        if self.anchor == "internal" and self.mixed == "v" and not (self.gate or self.anchor_norm or self.dynamic):
+            return "ResFormer" if self.granularity == "scalar" else f"ResFormer ({self.granularity})"
+        name = self.granularity[0].upper() + ("-ExoFormer" if self.anchor == "exo" else "-NuResFormer")
+        notes = [n for n, off in (("no gate", not self.gate), (f"mix {self.mixed}", self.mixed not in ("qkv", "qkvg")),
+                                  ("no anchor norm", not self.anchor_norm)) if off]
+        return ("Dynamic " if self.dynamic else "") + name + (f" ({', '.join(notes)})" if notes else "")
+
 
 class GPT(nn.Module):
 
     def __init__(self, config):
         super().__init__()
         self.config = config
-        self.drop_anchor = False  # anchor removal at inference (SPEC §3.6): every λ1 term becomes 0
+        self.drop_anchor = False  # anchor removal at inference (paper §4.5): every λ1 term becomes 0
+        self.activation_checkpointing = False  # training: keep only each block's input, recompute the rest in backward
+        self.loss_chunk = LOSS_CHUNK
         C, D = config.n_embd, config.head_dim
         # internal anchors come from layer 1, which therefore does not mix; exo anchors feed every layer
         mixing = [config.anchor == "exo" or (config.anchor == "internal" and i > 0)
@@ -255,7 +283,7 @@ class GPT(nn.Module):
         self.lm_head = nn.Linear(C, config.vocab_size, bias=False)  # untied from wte
         mix = config.mixed
         self.anchor_proj = nn.Linear(C, len(mix) * C, bias=False) if config.anchor == "exo" else None
-        # Anchors with their own RMSNorm(D): all exo anchors; internal v and g (q, k reuse layer 1's QK-norm)
+        # Anchors with their own RMSNorm(D), N(·) of Eq. 10: all exo anchors; internal v and g (see normalize)
         normed = ""
         if config.anchor_norm:
             normed = mix if config.anchor == "exo" else mix.replace("q", "").replace("k", "")
@@ -285,47 +313,81 @@ class GPT(nn.Module):
         matmul = sum(p.numel() for n, p in self.named_parameters() if p.ndim == 2 and n != "wte.weight")
         return 6 * matmul + 12 * self.config.n_layer * self.config.n_embd * seq_len
 
-    def _norm_anchors(self, anchors):  # RMS-normalise the anchors that have their own norm
-        return {s: self.anchor_norms[s](a) if s in self.anchor_norms else a for s, a in anchors.items()}
+    def normalize(self, anchors):
+        """N(·) of Eq. 10: with anchor_norm, every exo anchor and the internal v and g anchors through their own
+        RMSNorm(D); internal q and k anchors through layer 1's QK-norm (what layer 1 attends with, before RoPE)."""
+        norms = dict(self.anchor_norms.items())
+        if self.config.anchor == "internal" and self.config.anchor_norm:
+            norms.update(q=self.blocks[0].attn.q_norm, k=self.blocks[0].attn.k_norm)
+        return {s: norms[s](a) if s in norms else a for s, a in anchors.items()}
 
-    def features(self, idx, doc_mask=False):
+    def features(self, idx, doc_mask=False, cache=None):
         """idx (B, T) int64 -> final hidden states (B, T, C), what lm_head turns into logits. A scorer
         that needs a few positions only (eval.py) applies lm_head to those and saves the rest.
         doc_mask: False (plain causal attention), True (attention stays inside the documents of idx, see
-        document_mask), or a mask document_mask built already (train.py builds it outside torch.compile)."""
+        document_mask), or a mask document_mask made. cache: per layer, generation's keys and values."""
         B, T = idx.shape
-        if T > self.config.block_size:
-            raise ValueError(f"sequence length {T} exceeds block_size={self.config.block_size}")
+        start = cache[0]["k"].size(2) if cache and cache[0] else 0
+        if start + T > self.config.block_size or (start and T > 1):
+            raise ValueError(f"{T} new positions after {start} cached ones: expected at most block_size="
+                             f"{self.config.block_size} in all, and one at a time after the first")
         mask = document_mask(idx) if doc_mask is True else (doc_mask if doc_mask is not False else None)
         h = self.wte(idx)
         anchors = None
         if self.anchor_proj is not None:  # Eq. 9: exogenous anchors, computed once from H0, shared by all layers
-            C, H, D = self.config.n_embd, self.config.n_head, self.config.head_dim
-            parts = self.anchor_proj(h).view(B, T, -1, H, D).transpose(1, 3).unbind(2)
-            anchors = self._norm_anchors(dict(zip(self.config.mixed, parts)))
+            H, D = self.config.n_head, self.config.head_dim
+            parts = self.anchor_proj(h).view(B, T, -1, H, D).transpose(1, 3).unbind(2)  # each (B, H, T, D)
+            anchors = self.normalize(dict(zip(self.config.mixed, parts)))
         for i, block in enumerate(self.blocks):
-            h, proj = block(h, None if self.drop_anchor else anchors, mask)
+            args = (h, None if self.drop_anchor else anchors, mask, cache[i] if cache else None)
+            if self.activation_checkpointing and torch.is_grad_enabled():
+                h, proj = checkpoint(block, *args, use_reentrant=False)  # keeps h, recomputes the block
+            else:
+                h, proj = block(*args)
             if i == 0 and self.config.anchor == "internal":  # layer 1's projections anchor layers 2..L
-                anchors = self._norm_anchors({s: proj[s] for s in self.config.mixed})
+                anchors = self.normalize({s: proj[s] for s in self.config.mixed})
         return self.ln_f(h)
 
-    def forward(self, idx, targets=None, with_z=False, doc_mask=False):
-        # idx (B, T) int64 -> logits (B, T, V), loss: mean cross-entropy or None
-        # with_z=True adds a third value, mean(logsumexp(logits)²), for the z-loss (SPEC §2)
-        logits = self.lm_head(self.features(idx, doc_mask))
+    def forward(self, idx, targets=None, with_z=False, doc_mask=False, cache=None):
+        # idx (B, T) int64 -> logits (B, T, V), None; with targets (B, T): None, mean cross-entropy.
+        # with_z=True adds a third value, mean(logsumexp(logits)²), for the z-loss.
+        h = self.features(idx, doc_mask, cache)
         if targets is None:
+            logits = self.lm_head(h)
             return (logits, None, None) if with_z else (logits, None)
-        logits32 = logits.float()
-        lse = torch.logsumexp(logits32, dim=-1)  # one logsumexp serves both losses
-        loss = (lse - logits32.gather(-1, targets.unsqueeze(-1)).squeeze(-1)).mean()
-        return (logits, loss, lse.square().mean()) if with_z else (logits, loss)
+        # lm_head and the loss chunk by chunk, each chunk recomputed in backward: no (B, T, V) logits are kept
+        ce = z = 0
+        for hc, tc in zip(h.flatten(0, 1).split(self.loss_chunk), targets.flatten().split(self.loss_chunk)):
+            c, zc = checkpoint(self._loss_sums, hc, tc, use_reentrant=False) if torch.is_grad_enabled() \
+                else self._loss_sums(hc, tc)
+            ce, z = ce + c, z + zc
+        return (None, ce / targets.numel(), z / targets.numel())[:3 if with_z else 2]
+
+    def _loss_sums(self, h, targets):  # (N, C), (N,) -> sums over the N tokens of cross-entropy and logsumexp²
+        logits = self.lm_head(h).float()
+        lse = torch.logsumexp(logits, dim=-1)  # one logsumexp serves both losses
+        return (lse - logits.gather(-1, targets[:, None]).squeeze(-1)).sum(), lse.square().sum()
 
     @torch.no_grad()
-    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None):
-        """Sample continuations of idx (B, T): (B, T + max_new_tokens). No KV cache: tutorial speed."""
+    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, vocab=None, use_cache=True):
+        """Sample continuations of idx (B, T): (B, T + max_new_tokens); temperature 0 is greedy. vocab: sample
+        only ids below it (the authors' models have more rows than GPT-2 has tokens). With the KV cache each new
+        token runs one position through the model; its anchors need nothing earlier (exo: its own embedding;
+        internal: its own layer-1 projections), so keys and values per layer are all there is to cache. Past
+        block_size tokens the window slides and is run from position 0 again, as without the cache."""
+        cache = None
         for _ in range(max_new_tokens):
-            logits, _ = self(idx[:, -self.config.block_size:])
-            logits = logits[:, -1, :].float()
+            window = idx[:, -self.config.block_size:]
+            if not use_cache:
+                h = self.features(window)
+            elif cache is None or idx.size(1) > self.config.block_size:  # (re)start on the whole window
+                cache = [{} for _ in self.blocks]
+                h = self.features(window, cache=cache)
+            else:
+                h = self.features(idx[:, -1:], cache=cache)
+            logits = self.lm_head(h[:, -1]).float()
+            if vocab is not None:
+                logits[:, vocab:] = -float("inf")
             if temperature == 0:  # greedy
                 next_id = logits.argmax(-1, keepdim=True)
             else:
@@ -369,6 +431,13 @@ def load_state(model, state_dict, source):
         if v.shape != own[k].shape:
             raise ValueError(f"{source}: tensor {k} has shape {tuple(v.shape)}, expected {tuple(own[k].shape)}")
     model.load_state_dict(state_dict)
+
+
+def trained_doc_mask(ckpt):
+    """Whether a checkpoint's model was trained (and validated) with document masking: as its training
+    config says; checkpoints from before that option were not; files without a training config, the
+    authors' models converted by convert.py, were."""
+    return ckpt["config"].get("doc_mask", False) if "config" in ckpt else True
 
 
 def load_model(path, device="cpu"):

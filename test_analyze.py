@@ -12,7 +12,7 @@ import torch
 
 import analyze as an
 from data import write_shard
-from model import GPT, GPTConfig, load_model
+from model import EOT, GPT, GPTConfig, load_model
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TINY = dict(n_layer=2, n_head=2, n_embd=8, block_size=16, vocab_size=64)
@@ -74,6 +74,17 @@ def test_attention_peaked_three_tokens():
     assert top2 == pytest.approx((1 / 2 + 1 / 2 + 3 / 8) / 3)
 
 
+def test_document_masked_attention_sink_is_the_weight_on_the_document_start():
+    idx = torch.zeros(1, 8, dtype=torch.long)
+    idx[0, 3] = EOT  # documents [0, 3) and [3, 8)
+    q = k = torch.zeros(1, 2, 8, 4)  # equal scores: every query spreads its weight evenly over what it sees
+    doc = an.attention_sums(q, k, an.attention_mask(idx, doc_mask=True))
+    plain = an.attention_sums(q, k, an.attention_mask(idx))
+    assert doc[0] / doc[-1] == pytest.approx(sum(1 / (p + 1) for p in [0, 1, 2, 0, 1, 2, 3, 4]) / 8)
+    assert plain[0] / plain[-1] == pytest.approx(sum(1 / (t + 1) for t in range(8)) / 8)
+    assert doc[1] < plain[1]  # entropy: fewer keys to spread over
+
+
 def test_attention_chunks_match_dense_reference(monkeypatch):
     torch.manual_seed(0)
     q, k = torch.randn(2, 3, 7, 4), torch.randn(2, 3, 7, 4)
@@ -129,17 +140,6 @@ def test_lambda_ratios_by_hand():
     ratios = an.lambda_ratios(model)
     assert list(ratios) == ["v", "g"]
     assert ratios["v"] == [None, [0.5, 3.0]] and ratios["g"] == [None, [1.0, 1.0]]
-
-
-def test_variant_names():
-    names = {f: an.variant_name(GPTConfig(**kw)) for f, kw in {
-        "gated": dict(gate=True), "base": {}, "res": dict(anchor="internal", mix="v"),
-        "dyn": DYN_EXO,
-        "nures": dict(gate=True, anchor="internal", mix="qkvg", granularity="headwise", anchor_norm=True),
-        "nkqr": dict(gate=True, anchor="internal", mix="vg", granularity="elementwise")}.items()}
-    assert names == {"gated": "Gated Attention", "base": "Baseline", "res": "ResFormer",
-                     "dyn": "Dynamic E-ExoFormer", "nures": "H-NuResFormer",
-                     "nkqr": "E-NuResFormer (mix vg, no anchor norm)"}
 
 
 def test_known_model_end_to_end(tmp_path, data_dir):

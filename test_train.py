@@ -1,4 +1,5 @@
 """Tests of train.py: Muon, schedules, DDP equivalence, exact resume, checkpoints, errors, end to end."""
+import contextlib
 import json
 import os
 import signal
@@ -12,10 +13,12 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.utils.checkpoint import checkpoint
 
+import model
 import train
 from data import write_shard
-from model import EOT, load_checkpoint
+from model import EOT, GPT, GPTConfig, load_checkpoint
 from train import DEFAULTS, Muon, lr_multiplier, muon_momentum, polar_express
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
@@ -97,7 +100,7 @@ def muon_step(params, grads, weight_decay, lr=0.05):
 
 
 def test_muon_matches_the_spec_written_out():
-    """Three steps of Muon on one tall and one wide matrix against SPEC §4 line by line."""
+    """Three steps of Muon on one tall and one wide matrix against the recipe written out line by line."""
     torch.manual_seed(0)
     lr, mu, beta2, wd = 0.05, 0.9, 0.95, 0.1
     for shape in [(24, 8), (8, 24)]:
@@ -200,7 +203,6 @@ def test_sharded_muon_equals_unsharded(tmp_path):
 
 
 def test_every_parameter_in_exactly_one_optimizer_group():
-    from model import GPT, GPTConfig
     model = GPT(GPTConfig(n_layer=2, n_embd=32, n_head=2, vocab_size=64, block_size=16, gate=True,
                           anchor="exo", mix="qkvg", granularity="elementwise", anchor_norm=True, dynamic=True))
     muon, adam = train.configure_optimizers(model, DEFAULTS)
@@ -216,7 +218,6 @@ def test_every_parameter_in_exactly_one_optimizer_group():
 def test_optimizers_route_by_role_not_by_shape():
     """A fork's extra 2-D parameter (a λ matrix, a table) is not a linear layer: AdamW, not Muon. A linear
     layer it adds inside the network goes to Muon. The start-up line counts what each optimiser holds."""
-    from model import GPT, GPTConfig
     model = GPT(GPTConfig(n_layer=2, n_embd=32, n_head=2, vocab_size=64, block_size=16, gate=True,
                           anchor="exo", mix="v", granularity="elementwise"))
     muon_before = len(train.configure_optimizers(model, DEFAULTS)[0].param_groups[0]["params"])
@@ -241,8 +242,10 @@ def test_ddp_two_processes_equal_one_process_with_twice_the_accumulation(data_di
     one = str(tmp_path / "one")
     run_cli(common + [f"--out_dir={one}"])  # 1 process: 128 / (2 x 32) = 2 micro-steps
     two = str(tmp_path / "two")
+    # the DDP run also recomputes its blocks in backward (activation checkpointing): the same result
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                        "train.py", *common, f"--out_dir={two}"], cwd=ROOT, capture_output=True, text=True,
+                        "train.py", *common, f"--out_dir={two}", "--activation_checkpointing=True"], cwd=ROOT,
+                       capture_output=True, text=True,
                        env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert r.returncode == 0, r.stderr[-3000:]
     assert "2 process(es) x 1 micro-step(s)" in r.stdout
@@ -297,6 +300,20 @@ def test_resume_is_bitwise_identical(data, tmp_path, monkeypatch, request):
     assert [e["step"] for e in read_log(resumed)] == list(range(7))
     assert [e["step"] for e in read_log(resumed, configs=True)] == [0, 3]
     assert read_log(resumed, configs=True)[1]["config"]["init_from"] == "resume"
+
+
+def test_activation_checkpointing_trains_bitwise_like_without(doc_data_dir, tmp_path, monkeypatch):
+    common = SMALL + DOCS + [f"--data_dir={doc_data_dir}", "--max_steps=3"]
+    plain, ckpt = str(tmp_path / "plain"), str(tmp_path / "ckpt")
+    train.main(common + [f"--out_dir={plain}"])
+    recomputed = []  # blocks run under torch.utils.checkpoint
+    monkeypatch.setattr(model, "checkpoint", lambda fn, *a, **kw: (recomputed.append(type(fn).__name__),
+                                                                  checkpoint(fn, *a, **kw))[1])
+    train.main(common + [f"--out_dir={ckpt}", "--activation_checkpointing=True"])
+    assert recomputed.count("Block") == 3 * 2 * 2  # steps x micro-steps x layers
+    a, b = load_checkpoint(f"{plain}/ckpt.pt"), load_checkpoint(f"{ckpt}/ckpt.pt")
+    assert b["config"]["activation_checkpointing"] is True
+    assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
 
 
 def test_doc_mask_is_in_effect_and_kept_on_resume(doc_data_dir, tmp_path):
@@ -528,6 +545,27 @@ def test_bench_prints_time_and_flop_ratios(capsys):
     runs = bench.main(["configs/gated.py"] + size + ["--optimizer=False"])
     assert "forward+backward:" in capsys.readouterr().out
     assert runs[0]["model"].lm_head.weight.abs().sum() == 0  # forward + backward only
+
+
+def test_bench_compare_and_activation_memory(capsys):
+    import bench
+    size = ["--n_layer=2", "--n_embd=64", "--n_head=2", "--block_size=32", "--batch_size=2", "--steps=1",
+            "--rounds=1", "--warmup=0"] + DOCS
+    rows = bench.main(["configs/dyn_exo.py"] + size + ["--compare=activation_checkpointing"])
+    assert [(r["name"], r["model"].activation_checkpointing) for r in rows] == \
+        [("dyn_exo", False), ("dyn_exo+activation_checkpointing", True)]
+    rows = {r["name"]: r for r in bench.main(["configs/gated.py", "configs/dyn_exo.py"] + size +
+                                              ["--memory=True", "--compare=activation_checkpointing"])}
+    assert set(rows) == {"gated", "gated+activation_checkpointing", "dyn_exo", "dyn_exo+activation_checkpointing"}
+    for name in ("gated", "dyn_exo"):
+        assert rows[name + "+activation_checkpointing"]["per_layer"] < rows[name]["per_layer"] / 2
+    # the split is linear in depth: a 4-layer model saves the fixed part plus 4 layers' worth
+    x, y = bench.synthetic_batch(1, 32, EOT + 48, 1000, "cpu")
+    four = bench.saved_bytes(GPT(GPTConfig(n_layer=4, n_embd=64, n_head=2, block_size=32, vocab_size=EOT + 48,
+                                            gate=True)), x, y, contextlib.nullcontext(), True)
+    assert four == rows["gated"]["fixed"] + 4 * rows["gated"]["per_layer"]
+    with pytest.raises(SystemExit, match="--compare=seed: expected a True/False key"):
+        bench.main(["configs/gated.py", "--compare=seed"])
 
 
 def test_bf16_autocast_training_on_cpu(data_dir, tmp_path):

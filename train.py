@@ -1,5 +1,5 @@
 """
-Train a model of any variant with the paper's recipe (SPEC §4), in one process or under torchrun:
+Train a model of any variant with the paper's recipe, in one process or under torchrun:
 
     python train.py configs/dyn_exo.py configs/tiny.py --data_dir=data/mytext --max_steps=200   # CPU
     python train.py configs/dyn_exo.py                                     # 1 GPU (accumulates to 256K tokens)
@@ -28,7 +28,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from configurator import help_text, key_comments, read_args, wants_help
 from data import DataLoader, atomic_write, val_batches
-from model import GPT, GPTConfig, load_checkpoint
+from model import GPT, GPTConfig, load_checkpoint, trained_doc_mask
 
 # ----------------------------------------------------------------------------- defaults: the paper's 450M run
 # One key per line, its meaning in the comment: `python train.py --help` prints them (configurator.key_comments).
@@ -46,8 +46,10 @@ DEFAULTS = dict(
     wandb_log=False,  # also log to Weights & Biases (needs wandb installed)
     wandb_project="exoformer",  # W&B project
     wandb_run_name="run",  # W&B run name
-    # batch: 262,144 tokens per step = 8 GPUs x 16 sequences x 2048 tokens; fewer GPUs accumulate
-    batch_size=16,  # sequences per process per micro-step
+    # batch: 262,144 tokens per step = 8 GPUs x 2 micro-steps x 8 sequences x 2048 tokens (the paper: 16 x 1).
+    # 16 sequences of any paper variant keep 64-69 GiB of activations for backward (114 GiB at 1B; bench.py
+    # --memory=True): 8 keep at most 35 (57), which fits 80 GB GPUs; gradient accumulation keeps the step.
+    batch_size=8,  # sequences per process per micro-step
     block_size=2048,  # sequence length (also the model's longest context)
     total_batch_size=262_144,  # tokens per optimiser step, reached by gradient accumulation
     max_steps=38_147,  # optimiser steps: 10B tokens at 262,144 tokens per step
@@ -67,6 +69,7 @@ DEFAULTS = dict(
     final_lr_frac=0.1,  # learning rates at the end of the decay, as a fraction of the peak
     grad_clip=1.0,  # global gradient-norm clip
     z_loss=1e-5,  # weight of mean(logsumexp(logits)²) in the loss
+    activation_checkpointing=False,  # recompute each block in the backward pass: far less activation memory, ~1/3 more compute
     doc_mask=True,  # attention stays inside each document of a window (each <|endoftext|> opens one), as the authors trained
     # system
     device=None,  # None: cuda if available, else cpu
@@ -92,7 +95,7 @@ def help_sections():
              {**key_comments(model_file, "GPTConfig"), **MODEL_KEY_MEANINGS})]
 
 
-# Polar Express coefficients (a, b, c) of the 5 iterations (SPEC §4)
+# Polar Express coefficients (a, b, c) of the 5 iterations (Amsel et al., 2025, as the authors use them)
 POLAR_EXPRESS = [
     (8.156554524902461, -22.48329292557795, 15.878769915207462),
     (4.042929935166739, -2.808917465908714, 0.5000178451051316),
@@ -118,7 +121,7 @@ def polar_express(G):
 
 
 class Muon(torch.optim.Optimizer):
-    """Muon for 2-D weights (SPEC §4): Nesterov momentum (EMA form), Polar Express, NorMuon second
+    """Muon for the weight matrices: Nesterov momentum (EMA form), Polar Express, NorMuon second
     moment, shape scaling, cautious weight decay. Under DDP each rank orthogonalises only its share of
     every group of same-shaped matrices and all-gathers the results; the cheap elementwise work runs on
     every rank, so parameters and optimiser state stay identical everywhere (and checkpointable from rank 0)."""
@@ -171,14 +174,19 @@ class Muon(torch.optim.Optimizer):
                 p.sub_(lr * normed)
 
 
+def muon_params(model):
+    """The weights of the nn.Linear layers inside the network: every one but lm_head's."""
+    linear = {id(m.weight) for m in model.modules() if isinstance(m, nn.Linear) and m is not model.lm_head}
+    return [p for p in model.parameters() if id(p) in linear]  # parameters() lists a shared tensor once
+
+
 def configure_optimizers(model, cfg, rank=0, world_size=1):
     """Muon for the weights of the nn.Linear layers inside the network (blocks, anchor_proj, dynamic MLPs):
     maps from one hidden vector to another, which is what Muon's orthogonalised update suits. AdamW for
     everything else: the embedding, lm_head (its output is the vocabulary, not a hidden vector), norm
     weights, biases, λ, and any parameter a fork adds outside nn.Linear, whatever its shape."""
-    linear = {id(m.weight) for m in model.modules() if isinstance(m, nn.Linear) and m is not model.lm_head}
-    muon = [p for p in model.parameters() if id(p) in linear]  # parameters() lists a shared tensor once
-    adam = [p for p in model.parameters() if id(p) not in linear]
+    muon = muon_params(model)
+    adam = [p for p in model.parameters() if id(p) not in set(map(id, muon))]
     fused = {"fused": True} if next(model.parameters()).is_cuda else {}
     return [Muon(muon, cfg["muon_lr"], cfg["muon_momentum"], cfg["muon_beta2"], cfg["muon_weight_decay"],
                  rank, world_size),
@@ -342,10 +350,8 @@ def main(argv):
         # loaded to the CPU: load_state_dict copies to the device, and RNG states must stay CPU tensors
         ckpt = load_checkpoint(ckpt_path) if (cfg["init_from"] == "resume" or cfg["eval_only"]) else None
         model_config = model_config_for(cfg, given, ckpt, ckpt_path)  # before the checks: block_size may change
-        if ckpt is not None and "config" in ckpt and "doc_mask" not in given:
-            # resume and eval_only keep the attention masking the checkpoint was trained with, unless
-            # overridden; checkpoints from before the key existed were trained without it
-            cfg["doc_mask"] = ckpt["config"].get("doc_mask", False)
+        if ckpt is not None and "doc_mask" not in given:  # resume, eval_only: as trained, unless overridden
+            cfg["doc_mask"] = trained_doc_mask(ckpt)
         accum = check_config(cfg, world_size)
         # one window of total_batch_size tokens per step, split into micro-steps below: the same tokens
         # whatever the mix of processes and accumulation (and at shard ends, too)
@@ -365,6 +371,7 @@ def main(argv):
     random.seed(cfg["seed"])
     np.random.seed(cfg["seed"])
     raw_model = GPT(model_config).to(device)
+    raw_model.activation_checkpointing = cfg["activation_checkpointing"]
     optimizers = configure_optimizers(raw_model, cfg, rank, world_size)
     log(describe_optimizers(optimizers))
     step = 0
