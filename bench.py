@@ -36,6 +36,7 @@ BENCH_DEFAULTS = dict(
 # What a GPU holds besides activations, per parameter: fp32 weights, gradients, DDP's gradient buckets and
 # optimiser state (Muon: momentum + small NorMuon moments; AdamW: two moments); bytes per parameter.
 STATE_BYTES = {"muon": 4 + 4 + 4 + 4, "adam": 4 + 4 + 4 + 8}
+LOGIT_BYTES = 2 + 4 + 4  # a loss chunk's transient logits: bf16, fp32, and their gradient
 HEADROOM = 0.9  # of a GPU's memory usable for all this: the rest for CUDA context, workspaces, fragmentation
 
 
@@ -145,21 +146,33 @@ def saved_bytes(model, x, y, autocast, doc_mask):
     too (flash attention keeps none)."""
     T, saved, params = x.size(1), {}, {id(p) for p in model.parameters()}
 
-    def pack(t):
+    def pack(t):  # keeps the storage (so that no other one reuses its address), not the tensor: no backward
         if not is_weight(t, params) and not (t.dim() == 4 and tuple(t.shape[-2:]) == (T, T)):
-            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
+            saved[t.untyped_storage().data_ptr()] = t.untyped_storage()
+        # None, not t: a saved output returned as it is would hold its own graph node, a cycle gc cannot free
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast:
         _, loss, z = model(x, y, with_z=True, doc_mask=doc_mask)
-    del loss, z  # frees the graph
-    return sum(saved.values())
+    return sum(s.nbytes() for s in saved.values())
+
+
+def layer_split(config, cfg, x, y, autocast, device, checkpointing):
+    """(per-layer, fixed) bytes saved for backward, from 2- and 3-layer copies of the model (internal
+    anchors make layer 1 unlike the others)."""
+    measured = []
+    for n_layer in (2, 3):
+        torch.manual_seed(cfg["seed"])
+        model = GPT(replace(config, n_layer=n_layer)).to(device)
+        model.activation_checkpointing = checkpointing
+        measured.append(saved_bytes(model, x, y, autocast, cfg["doc_mask"]))
+    return measured[1] - measured[0], measured[0] - 2 * (measured[1] - measured[0])
 
 
 def memory_table(runs, device, autocast):
-    """Activation memory of one block_size sequence per model, split into a per-layer and a fixed part
-    (measured on 2- and 3-layer copies: internal anchors make layer 1 unlike the others), and the
-    micro-batch that fits 40, 80 and 141 GB GPUs after weights, gradients and optimiser states."""
+    """Activation memory of one block_size sequence per model: the per-layer and fixed parts autograd saves,
+    their total at full depth (with activation checkpointing, plus the one block that backward recomputes
+    at a time), and the micro-batch that fits 40, 80 and 141 GB GPUs next to the weights, gradients,
+    optimiser states and the loss's transient logits."""
     c0 = runs[0][1]
     T = c0["block_size"]
     x, y = synthetic_batch(1, T, c0["vocab_size"], c0["doc_len"], device)
@@ -169,19 +182,15 @@ def memory_table(runs, device, autocast):
     rows = []
     for name, cfg in runs:
         config = GPTConfig(**{k: cfg[k] for k in MODEL_KEYS})
-        measured = []
-        for n_layer in (2, 3):
-            torch.manual_seed(cfg["seed"])
-            model = GPT(replace(config, n_layer=n_layer)).to(device)
-            model.activation_checkpointing = cfg["activation_checkpointing"]
-            measured.append(saved_bytes(model, x, y, autocast, cfg["doc_mask"]))
-        per_layer = measured[1] - measured[0]
-        fixed = measured[0] - 2 * per_layer
-        total = fixed + config.n_layer * per_layer
+        per_layer, fixed = layer_split(config, cfg, x, y, autocast, device, cfg["activation_checkpointing"])
+        recompute = layer_split(config, cfg, x, y, autocast, device, False)[0] \
+            if cfg["activation_checkpointing"] else 0
+        total = fixed + config.n_layer * per_layer + recompute
         with torch.device("meta"):
             full = GPT(config)
         n_muon = sum(p.numel() for p in muon_params(full))
-        state = n_muon * STATE_BYTES["muon"] + (full.num_params() - n_muon) * STATE_BYTES["adam"]
+        state = n_muon * STATE_BYTES["muon"] + (full.num_params() - n_muon) * STATE_BYTES["adam"] + \
+            full.loss_chunk * config.vocab_size * LOGIT_BYTES
         fits = [max(0, int((gb * 1e9 * HEADROOM - state) // total)) for gb in (40, 80, 141)]
         rows.append(dict(name=name, params=full.num_params(), per_layer=per_layer, fixed=fixed, total=total,
                          fits=fits))

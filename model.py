@@ -9,9 +9,17 @@ Exogenous Anchors"). A variant is a handful of GPTConfig fields, not a class:
     ExoFormer            gate=True  anchor='exo'      mix='qkvg' anchor_norm=True
     Dynamic E-ExoFormer  ExoFormer with granularity='elementwise' dynamic=True
 
-Every mixed projection S of a mixing layer n is  Ŝ_n = λ_{n,1} ⊙ N(S_anc) + λ_{n,2} ⊙ S_n  (Eq. 10),
-where the anchors S_anc come from the first layer (internal) or from one projection of the token
-embeddings shared by every layer (exo). Notation: C = n_embd, H = n_head, D = C/H.
+A forward pass, in the paper's order (GPT.features):
+    H0 = wte(idx)                                   token embeddings
+    [Q, K, V, G]_anc = H0 · W_anc                   exogenous anchors, once for all layers (Eq. 9);
+                                                    internal anchors are layer 1's own projections instead
+    N(S_anc)                                        each anchor RMS-normalised (GPT.normalize)
+    per block n (CausalSelfAttention):  [Q, K, V, G]_n = c_attn(RMSNorm(h))
+        s = sigmoid(W2 · GELU(W1 · x) + b2)         per-token scales of every λ (Eq. 12, dynamic only)
+        Ŝ_n = λ_{n,1} ⊙ N(S_anc) + λ_{n,2} ⊙ S_n      each mixed projection (Eq. 10, function mix)
+        QK-norm and RoPE on q and k, causal attention, ⊙ sigmoid(g) (Gated Attention), c_proj; SwiGLU MLP
+    logits = lm_head(RMSNorm(h))
+Notation: C = n_embd, H = n_head, D = C/H, L = n_layer.
 """
 import os
 from dataclasses import dataclass, fields
@@ -19,8 +27,8 @@ from dataclasses import dataclass, fields
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+from torch.utils.checkpoint import checkpoint
 
 PROJECTIONS = "qkvg"  # order of the projections in c_attn and anchor_proj: query, key, value, gate logit
 GRANULARITY_SHAPES = {"scalar": lambda H, D: (), "headwise": lambda H, D: (H, 1, 1),
@@ -415,7 +423,7 @@ def load_checkpoint(path, keys=("model", "model_config"), mmap=False):
         raise ValueError(f"{path}: not loadable with torch.load(weights_only=True) ({first_line})") from None
     missing = [k for k in keys if not isinstance(ckpt, dict) or k not in ckpt]
     if missing:
-        raise ValueError(f"{path}: not a checkpoint of this code (no {' or '.join(missing)})")
+        raise ValueError(f"{path}: no {', '.join(missing)} in this checkpoint")
     return ckpt
 
 

@@ -318,3 +318,6 @@ def test_export_of_our_checkpoint_is_weights_only(data_dir, tmp_path, enc_file, 
     ev.main([str(export / "ckpt.pt"), "--tokenizer", str(enc_file), "--data_dir", str(tmp_path / "data"),
              "--limit", "2", "--tasks", "piqa", "--device", "cpu"])
     assert "average" in capsys.readouterr().out
+    # resuming needs what the export dropped: one line, not a KeyError
+    with pytest.raises(SystemExit, match=r"ckpt.pt: no optimizers, loader, rng in this checkpoint"):
+        train.main(cfg + [f"--out_dir={export}", "--init_from=resume", "--max_steps=4"])

@@ -595,6 +595,17 @@ def test_readme_variant_table_is_true():
     assert set(rows) <= set(PAPER_VARIANTS), f"README.md: rows for unknown files {set(rows) - set(PAPER_VARIANTS)}"
 
 
+def test_readme_paper_to_code_table_points_at_its_lines():
+    """Each row of README.md's paper-to-code table names model.py lines that carry its marker (Eq. 9, ...)."""
+    rows = re.findall(r"^\| ([^|]+?) \| [^|]+ \| `model\.py:(\d+)` \|$", open(os.path.join(ROOT, "README.md")).read(),
+                      flags=re.M)
+    lines = open(os.path.join(ROOT, "model.py")).read().splitlines()
+    assert len(rows) >= 7, rows
+    for marker, n in rows:
+        assert marker in lines[int(n) - 1], \
+            f"README.md: the row {marker!r} points at model.py:{n}, which reads {lines[int(n) - 1].strip()!r}"
+
+
 def test_a_forked_variant_passes_the_generic_tests(tmp_path):
     """A fork that adds a granularity (one line in GRANULARITY_SHAPES) and a config file using it, with a
     training key in it too, runs the generic tests on it and passes them; README.md needs no change."""

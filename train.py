@@ -1,7 +1,7 @@
 """
 Train a model of any variant with the paper's recipe, in one process or under torchrun:
 
-    python train.py configs/dyn_exo.py configs/tiny.py --data_dir=data/mytext --max_steps=200   # CPU
+    python train.py configs/dyn_exo.py configs/tiny.py                     # CPU: a tiny model, a short run
     python train.py configs/dyn_exo.py                                     # 1 GPU (accumulates to 256K tokens)
     torchrun --nproc_per_node=8 train.py configs/dyn_exo.py                # 8 GPUs, DDP
     torchrun --nproc_per_node=8 train.py configs/dyn_exo.py --init_from=resume   # continue a run
@@ -348,7 +348,9 @@ def main(argv):
         rank, world_size, device, autocast, use_compile = setup(cfg)
         ckpt_path = os.path.join(cfg["out_dir"], "ckpt.pt")
         # loaded to the CPU: load_state_dict copies to the device, and RNG states must stay CPU tensors
-        ckpt = load_checkpoint(ckpt_path) if (cfg["init_from"] == "resume" or cfg["eval_only"]) else None
+        resume = cfg["init_from"] == "resume" and not cfg["eval_only"]  # needs more than the weights
+        keys = ("model", "model_config", "step") + (("optimizers", "loader", "rng") if resume else ())
+        ckpt = load_checkpoint(ckpt_path, keys) if (resume or cfg["eval_only"]) else None
         model_config = model_config_for(cfg, given, ckpt, ckpt_path)  # before the checks: block_size may change
         if ckpt is not None and "doc_mask" not in given:  # resume, eval_only: as trained, unless overridden
             cfg["doc_mask"] = trained_doc_mask(ckpt)
