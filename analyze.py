@@ -423,7 +423,7 @@ def plot(results, out):
 
     # Figures 4 and 7: one line per model for every per-layer metric
     state_axis = "hidden state (0 = embeddings, i = after block i)"
-    line_plots = [("attention_sink", "attention on position 0 (sink)", "layer", False),
+    line_plots = [("attention_sink", "attention on the first key a query sees (sink)", "layer", False),
                   ("attention_entropy", "attention entropy (nats)", "layer", False),
                   ("gate_mean", "mean gate σ(g)", "layer", False),
                   ("gate_sparsity", f"gate sparsity (fraction of σ(g) < {GATE_CLOSED})", "layer", False),

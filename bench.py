@@ -109,12 +109,12 @@ def timing_table(runs, device, autocast, use_compile):
 
     ref_ms = statistics.median(rows[0]["times"]) * 1000
     ref_flops = rows[0]["model"].flops_per_token(T)
-    print(f"\n{'config':<34}{'params':>14}{'ms/step':>10}{'tok/s':>12}{'peak mem':>11}{'time ratio':>12}"
+    print(f"\n{'config':<36}{'params':>14}{'ms/step':>10}{'tok/s':>12}{'peak mem':>11}{'time ratio':>12}"
           f"{'FLOP ratio':>12}")
     for row in rows:
         ms = statistics.median(row["times"]) * 1000
         mem = "-" if row["memory"] is None else f"{row['memory'] / 2**30:.2f} GiB"
-        print(f"{row['name']:<34}{row['model'].num_params():>14,}{ms:>10.1f}{B * T / ms * 1000:>12,.0f}"
+        print(f"{row['name']:<36}{row['model'].num_params():>14,}{ms:>10.1f}{B * T / ms * 1000:>12,.0f}"
               f"{mem:>11}{ms / ref_ms:>12.4f}{row['model'].flops_per_token(T) / ref_flops:>12.4f}")
     return rows
 
@@ -152,7 +152,7 @@ def saved_bytes(model, x, y, autocast, doc_mask):
         # None, not t: a saved output returned as it is would hold its own graph node, a cycle gc cannot free
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast:
-        _, loss, z = model(x, y, with_z=True, doc_mask=doc_mask)
+        model(x, y, doc_mask=doc_mask)
     return sum(s.nbytes() for s in saved.values())
 
 
@@ -177,7 +177,7 @@ def memory_table(runs, device, autocast):
     T = c0["block_size"]
     x, y = synthetic_batch(1, T, c0["vocab_size"], c0["doc_len"], device)
     print(f"activation memory of one sequence of {T} tokens: {device}, {c0['dtype'] or 'auto'} dtype, eager")
-    print(f"\n{'config':<34}{'params':>14}{'per layer':>12}{'fixed':>10}{'GiB/seq':>9}"
+    print(f"\n{'config':<36}{'params':>14}{'per layer':>12}{'fixed':>10}{'GiB/seq':>9}"
           f"{'B @ 40GB':>10}{'B @ 80GB':>10}{'B @ 141GB':>11}")
     rows = []
     for name, cfg in runs:
@@ -194,7 +194,7 @@ def memory_table(runs, device, autocast):
         fits = [max(0, int((gb * 1e9 * HEADROOM - state) // total)) for gb in (40, 80, 141)]
         rows.append(dict(name=name, params=full.num_params(), per_layer=per_layer, fixed=fixed, total=total,
                          fits=fits))
-        print(f"{name:<34}{full.num_params():>14,}{per_layer / 2**20:>8.1f} MiB{fixed / 2**20:>6.0f} MiB"
+        print(f"{name:<36}{full.num_params():>14,}{per_layer / 2**20:>8.1f} MiB{fixed / 2**20:>6.0f} MiB"
               f"{total / 2**30:>9.2f}{fits[0]:>10}{fits[1]:>10}{fits[2]:>11}")
     return rows
 
@@ -205,8 +205,8 @@ def step(row, x, y, autocast, device):
         torch.cuda.synchronize()
     t0 = time.perf_counter()
     with autocast:
-        _, loss, z = row["fwd"](x, y, with_z=True, doc_mask=row["cfg"]["doc_mask"])
-    (loss + row["cfg"]["z_loss"] * z).backward()
+        _, loss = row["fwd"](x, y, z_loss=row["cfg"]["z_loss"], doc_mask=row["cfg"]["doc_mask"])
+    loss.backward()
     if row["cfg"]["optimizer"]:
         optimizer_step(row["model"], row["optimizers"], row["cfg"])
     else:

@@ -87,11 +87,11 @@ def document_mask(idx, flex=None):
 compiled_flex_attention = torch.compile(flex_attention, dynamic=False)
 
 
-def attention(q, k, v, mask):
+def attention(q, k, v, mask, causal=True):
     """Causal attention (B, H, Tq, D), (B, H, Tk, D) -> (B, H, Tq, D); mask: None (plain causal: flash SDPA on
-    CUDA; a single query, the newest token of generation, sees every key), or from document_mask."""
+    CUDA), or from document_mask. causal=False: the newest token of generation, which sees every cached key."""
     if mask is None:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=q.size(-2) > 1)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
     if isinstance(mask, BlockMask):
         return (compiled_flex_attention if q.is_cuda else flex_attention)(q, k, v, block_mask=mask)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
@@ -161,15 +161,16 @@ class CausalSelfAttention(nn.Module):
             # per-token scales: recompute the products in backward rather than keep a (B, H, T, D) per λ
             proj[s] = checkpoint(mix, *args, use_reentrant=False) if scales and torch.is_grad_enabled() \
                 else mix(*args)
-        start = cache["k"].size(2) if cache else 0  # position of x's first token
+        decoding = bool(cache)  # one new token after cached ones (generation), which sees them all
+        start = cache["k"].size(2) if decoding else 0  # position of x's first token
         q, k, v = self.rotary(self.q_norm(proj["q"]), start), self.rotary(self.k_norm(proj["k"]), start), proj["v"]
-        if cache is not None:  # generation: the new positions attend to the cached ones too
-            if cache:
+        if cache is not None:
+            if decoding:
                 k, v = torch.cat((cache["k"], k), dim=2), torch.cat((cache["v"], v), dim=2)
             cache.update(k=k, v=v)
         if self.inspect is not None:
             self.inspect(q=q, k=k, g=proj.get("g"), scales=scales or None)
-        y = attention(q, k, v, mask)
+        y = attention(q, k, v, mask, causal=not decoding)
         if self.gate:  # Gated Attention (G1): elementwise sigmoid gate on the SDPA output
             y = y * torch.sigmoid(proj["g"])
         return self.c_proj(y.transpose(1, 2).reshape(B, T, C)), proj
@@ -199,6 +200,43 @@ class Block(nn.Module):
         a, proj = self.attn(self.ln_1(h), anchors, mask, cache)
         h = h + a
         return h + self.mlp(self.ln_2(h)), proj
+
+
+def loss_sum(logits, lse, targets, z_loss):  # (N, V) fp32, (N,), (N,) -> Σ cross-entropy + z_loss · Σ lse²
+    return (lse - logits.gather(-1, targets[:, None]).squeeze(-1) + z_loss * lse.square()).sum()
+
+
+def chunk_logits(h, weight, targets, chunk):
+    """lm_head chunk by chunk: (rows, tokens' targets, fp32 logits, logsumexp) of each chunk of h (N, C)."""
+    for i in range(0, len(targets), chunk):
+        logits = F.linear(h[i:i + chunk], weight).float()
+        yield slice(i, i + chunk), targets[i:i + chunk], logits, torch.logsumexp(logits, dim=-1)
+
+
+class LMHeadLoss(torch.autograd.Function):
+    """Mean cross-entropy + z_loss · mean(logsumexp²) of lm_head's logits, differentiated chunk by chunk during
+    the forward pass: no (N, V) logits are kept for backward, and none are recomputed there (torch has no
+    fused linear + cross-entropy). Backward only scales the gradients found here."""
+
+    @staticmethod
+    def forward(ctx, h, weight, targets, z_loss, chunk):  # (N, C), (V, C), (N,) -> scalar
+        N = len(targets)
+        total, grad_h, grad_w = 0.0, torch.empty_like(h), torch.zeros_like(weight, dtype=torch.float32)
+        for rows, t, logits, lse in chunk_logits(h, weight, targets, chunk):
+            total = total + loss_sum(logits, lse, t, z_loss)
+            # d loss / d logits = (softmax · (1 + 2 z_loss lse) - onehot(target)) / N; the matmuls run in the
+            # autocast dtype, as autograd's would
+            d = torch.softmax(logits, dim=-1).mul_(((1 + 2 * z_loss * lse) / N)[:, None])
+            d[torch.arange(len(t), device=t.device), t] -= 1 / N
+            grad_h[rows] = d @ weight
+            grad_w += d.t() @ h[rows]
+        ctx.save_for_backward(grad_h)  # activation-sized
+        ctx.grad_w = grad_w  # weight-sized: the memory lm_head's .grad takes in backward anyway
+        return total / N
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ctx.saved_tensors[0] * grad, ctx.grad_w * grad, None, None, None
 
 
 def _choice(name, value, allowed):
@@ -356,25 +394,18 @@ class GPT(nn.Module):
                 anchors = self.normalize({s: proj[s] for s in self.config.mixed})
         return self.ln_f(h)
 
-    def forward(self, idx, targets=None, with_z=False, doc_mask=False, cache=None):
-        # idx (B, T) int64 -> logits (B, T, V), None; with targets (B, T): None, mean cross-entropy.
-        # with_z=True adds a third value, mean(logsumexp(logits)²), for the z-loss.
+    def forward(self, idx, targets=None, z_loss=0.0, doc_mask=False, cache=None):
+        # idx (B, T) int64 -> logits (B, T, V), None; with targets (B, T): None, loss. The loss is the mean
+        # cross-entropy plus z_loss · mean(logsumexp(logits)²), made chunk by chunk: no (B, T, V) logits at all.
         h = self.features(idx, doc_mask, cache)
         if targets is None:
-            logits = self.lm_head(h)
-            return (logits, None, None) if with_z else (logits, None)
-        # lm_head and the loss chunk by chunk, each chunk recomputed in backward: no (B, T, V) logits are kept
-        ce = z = 0
-        for hc, tc in zip(h.flatten(0, 1).split(self.loss_chunk), targets.flatten().split(self.loss_chunk)):
-            c, zc = checkpoint(self._loss_sums, hc, tc, use_reentrant=False) if torch.is_grad_enabled() \
-                else self._loss_sums(hc, tc)
-            ce, z = ce + c, z + zc
-        return (None, ce / targets.numel(), z / targets.numel())[:3 if with_z else 2]
-
-    def _loss_sums(self, h, targets):  # (N, C), (N,) -> sums over the N tokens of cross-entropy and logsumexp²
-        logits = self.lm_head(h).float()
-        lse = torch.logsumexp(logits, dim=-1)  # one logsumexp serves both losses
-        return (lse - logits.gather(-1, targets[:, None]).squeeze(-1)).sum(), lse.square().sum()
+            return self.lm_head(h), None
+        h, targets = h.flatten(0, 1), targets.flatten()
+        if torch.is_grad_enabled():
+            return None, LMHeadLoss.apply(h, self.lm_head.weight, targets, z_loss, self.loss_chunk)
+        total = sum(loss_sum(logits, lse, t, z_loss)  # evaluation: the same sums, without the gradients
+                    for _, t, logits, lse in chunk_logits(h, self.lm_head.weight, targets, self.loss_chunk))
+        return None, total / len(targets)
 
     @torch.no_grad()
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, vocab=None, use_cache=True):

@@ -312,11 +312,12 @@ def test_doc_mask_without_eot_inside_is_plain_causal(name):
 def test_doc_mask_gradients_flow_and_compile_matches_eager():
     model = randomize(GPT(variant("dyn_exo", vocab_size=50304)))
     idx = packed(model.config, [4, 12, 25])
-    _, loss, z = model(idx[:, :-1], idx[:, 1:], with_z=True, doc_mask=True)
-    (loss + z).backward()
+    _, loss = model(idx[:, :-1], idx[:, 1:], z_loss=1e-4, doc_mask=True)
+    loss.backward()
     assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in model.parameters() if p.ndim > 0)
     compiled = torch.compile(model, fullgraph=True)
-    torch.testing.assert_close(compiled(idx[:, :-1], idx[:, 1:], doc_mask=True)[1], loss, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(compiled(idx[:, :-1], idx[:, 1:], z_loss=1e-4, doc_mask=True)[1], loss, rtol=1e-5,
+                               atol=1e-5)
 
 
 # ---------------------------------------------------------------- equivalences on shared weights
@@ -430,34 +431,37 @@ def test_tiny_model_fits_a_fixed_batch(name, config):
     losses = []
     for _ in range(40):
         opt.zero_grad()
-        _, loss, z = model(idx[:, :-1], idx[:, 1:], with_z=True)
-        (loss + 1e-5 * z).backward()
+        _, loss = model(idx[:, :-1], idx[:, 1:], z_loss=1e-5)
+        loss.backward()
         opt.step()
         losses.append(loss.item())
     assert losses[-1] < 0.5 * losses[0], losses
 
 
 @pytest.mark.parametrize("chunk", [7, 2048])  # uneven chunks, and one chunk for all 62 tokens
-def test_chunked_loss_equals_full_logits_cross_entropy_and_z_loss(chunk):
+def test_loss_and_its_gradients_equal_those_of_the_whole_logits(chunk):
+    """The chunked loss, differentiated during the forward pass, against autograd on the whole logits:
+    mean cross-entropy + z_loss · mean(logsumexp²), values and gradients; without gradients, the same value."""
     model = randomize(GPT(variant("dyn_exo")))
     model.loss_chunk = chunk
     idx = tokens(model.config)
-    x, y = idx[:, :-1], idx[:, 1:]
-    logits, loss, z = model(x, y, with_z=True)
-    assert logits is None and model(x, y)[0] is None  # with targets, no (B, T, V) logits are made
-    (loss + z).backward()
+    x, y, z_loss = idx[:, :-1], idx[:, 1:], 0.1  # a large z_loss, so that its gradient shows
+    logits, loss = model(x, y, z_loss=z_loss)
+    assert logits is None  # with targets, no (B, T, V) logits are made
+    (3 * loss).backward()  # backward scales by the incoming gradient
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad()
-    full, _ = model(x)  # the loss written with the whole logits, as before chunking
-    full_loss = torch.nn.functional.cross_entropy(full.flatten(0, 1), y.flatten())
-    full_z = (torch.logsumexp(full, -1) ** 2).mean()
-    torch.testing.assert_close(loss, full_loss, rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(z, full_z, rtol=1e-6, atol=1e-6)
-    (full_loss + full_z).backward()
+    full, _ = model(x)  # the loss written with the whole logits
+    lse = torch.logsumexp(full, -1)
+    reference = torch.nn.functional.cross_entropy(full.flatten(0, 1), y.flatten()) + z_loss * (lse ** 2).mean()
+    torch.testing.assert_close(loss, reference, rtol=1e-6, atol=1e-6)
+    (3 * reference).backward()
     for n, p in model.named_parameters():
         torch.testing.assert_close(grads[n], p.grad, rtol=1e-5, atol=1e-6, msg=n)
     with torch.no_grad():
-        assert model(x, y, with_z=True)[1].item() == loss.item()  # no_grad (validation) takes the same sums
+        assert model(x, y, z_loss=z_loss)[1].item() == loss.item()  # validation takes the same sums
+        plain = torch.nn.functional.cross_entropy(full.flatten(0, 1), y.flatten())
+        torch.testing.assert_close(model(x, y)[1], plain, rtol=1e-6, atol=1e-6)  # z_loss=0: cross-entropy
 
 
 # ---------------------------------------------------------------- compile, state dict, generate
@@ -467,11 +471,16 @@ def test_compile_fullgraph_matches_eager(name):
     model = randomize(GPT(variant(name)))
     idx = tokens(model.config)
     compiled = torch.compile(model, fullgraph=True)
-    eager_logits, eager_loss, eager_z = model(idx[:, :-1], idx[:, 1:], with_z=True)
-    logits, loss, z = compiled(idx[:, :-1], idx[:, 1:], with_z=True)
-    torch.testing.assert_close(logits, eager_logits, rtol=1e-4, atol=1e-4)
+    _, eager_loss = model(idx[:, :-1], idx[:, 1:], z_loss=1e-4)
+    eager_loss.backward()
+    eager_grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    _, loss = compiled(idx[:, :-1], idx[:, 1:], z_loss=1e-4)
+    loss.backward()
     torch.testing.assert_close(loss, eager_loss, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(z, eager_z, rtol=1e-4, atol=1e-4)
+    for g, p in zip(eager_grads, model.parameters()):
+        torch.testing.assert_close(p.grad, g, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(compiled(idx)[0], model(idx)[0], rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("name", ["dyn_exo", "nuresformer_h", "resformer"])
@@ -537,8 +546,8 @@ def test_activation_checkpointing_gives_the_same_loss_and_gradients(name):
     idx = tokens(model.config)
 
     def run():
-        _, loss, z = model(idx[:, :-1], idx[:, 1:], with_z=True, doc_mask=True)
-        (loss + z).backward()
+        _, loss = model(idx[:, :-1], idx[:, 1:], z_loss=1e-4, doc_mask=True)
+        loss.backward()
         grads = {n: p.grad.clone() for n, p in model.named_parameters()}
         model.zero_grad()
         return loss, grads

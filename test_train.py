@@ -564,6 +564,8 @@ def test_bench_compare_and_activation_memory(capsys):
     four = bench.saved_bytes(GPT(GPTConfig(n_layer=4, n_embd=64, n_head=2, block_size=32, vocab_size=EOT + 48,
                                             gate=True)), x, y, contextlib.nullcontext(), True)
     assert four == rows["gated"]["fixed"] + 4 * rows["gated"]["per_layer"]
+    ckpt = rows["gated+activation_checkpointing"]  # its peak: 2 block inputs, and 1 block rebuilt in backward
+    assert ckpt["total"] == ckpt["fixed"] + 2 * ckpt["per_layer"] + rows["gated"]["per_layer"]
     with pytest.raises(SystemExit, match="--compare=seed: expected a True/False key"):
         bench.main(["configs/gated.py", "--compare=seed"])
 

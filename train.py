@@ -443,8 +443,8 @@ def main(argv):
             sync = contextlib.nullcontext() if (world_size == 1 or micro == accum - 1) else train_model.no_sync()
             with sync:
                 with autocast:
-                    _, loss, z = train_model(x, y, with_z=True, doc_mask=cfg["doc_mask"])
-                ((loss + cfg["z_loss"] * z) / accum).backward()
+                    _, loss = train_model(x, y, z_loss=cfg["z_loss"], doc_mask=cfg["doc_mask"])
+                (loss / accum).backward()
             loss_sum += loss.detach()
         if world_size > 1:
             dist.all_reduce(loss_sum)
