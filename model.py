@@ -221,7 +221,7 @@ class LMHeadLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h, weight, targets, z_loss, chunk):  # (N, C), (V, C), (N,) -> scalar
         N = len(targets)
-        total, grad_h, grad_w = 0.0, torch.empty_like(h), torch.zeros_like(weight, dtype=torch.float32)
+        total, grad_h, grad_w = 0.0, torch.empty_like(h), None
         for rows, t, logits, lse in chunk_logits(h, weight, targets, chunk):
             total = total + loss_sum(logits, lse, t, z_loss)
             # d loss / d logits = (softmax · (1 + 2 z_loss lse) - onehot(target)) / N; the matmuls run in the
@@ -229,14 +229,18 @@ class LMHeadLoss(torch.autograd.Function):
             d = torch.softmax(logits, dim=-1).mul_(((1 + 2 * z_loss * lse) / N)[:, None])
             d[torch.arange(len(t), device=t.device), t] -= 1 / N
             grad_h[rows] = d @ weight
-            grad_w += d.t() @ h[rows]
+            g = (d.t() @ h[rows]).float()
+            grad_w = g if grad_w is None else grad_w.add_(g)
         ctx.save_for_backward(grad_h)  # activation-sized
         ctx.grad_w = grad_w  # weight-sized: the memory lm_head's .grad takes in backward anyway
         return total / N
 
     @staticmethod
     def backward(ctx, grad):
-        return ctx.saved_tensors[0] * grad, ctx.grad_w * grad, None, None, None
+        grad_w, ctx.grad_w = ctx.grad_w, None  # scaled in place, so once
+        if grad_w is None:
+            raise RuntimeError("LMHeadLoss: a second backward through the same loss (retain_graph) is not supported")
+        return ctx.saved_tensors[0] * grad, grad_w.mul_(grad), None, None, None
 
 
 def _choice(name, value, allowed):
