@@ -464,6 +464,17 @@ def test_loss_and_its_gradients_equal_those_of_the_whole_logits(chunk):
         torch.testing.assert_close(model(x, y)[1], plain, rtol=1e-6, atol=1e-6)  # z_loss=0: cross-entropy
 
 
+def test_a_second_backward_through_the_loss_is_refused():
+    """The loss hands over its precomputed lm_head gradient (scaled in place), so it can do so once: a second
+    backward (retain_graph) is an error, not a silently doubled gradient."""
+    model = randomize(GPT(variant("gated")))
+    idx = tokens(model.config)
+    _, loss = model(idx[:, :-1], idx[:, 1:])
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="second backward"):
+        loss.backward()
+
+
 # ---------------------------------------------------------------- compile, state dict, generate
 
 @pytest.mark.parametrize("name", ["dyn_exo", "nuresformer_e"])
