@@ -31,8 +31,8 @@ def load_encoding(path=None):
             return tiktoken.get_encoding("gpt2")
         except (OSError, requests.RequestException) as e:  # tiktoken downloads 'gpt2' on first use
             raise ValueError(f"tiktoken could not download its gpt2 vocabulary ({type(e).__name__}); offline, "
-                             f"pass --tokenizer PATH to a copy of GPT-2's r50k_base.tiktoken (README: "
-                             f"Offline use of the tokenizer)") from None
+                             f"pass --tokenizer PATH to a copy of GPT-2's r50k_base.tiktoken (README.md: "
+                             f"Troubleshooting)") from None
     try:
         ranks = load_tiktoken_bpe(str(path))
     except Exception as e:

@@ -368,7 +368,7 @@ def load_split(task, which, data_dir="data/eval", base_url=BASE_URL, progress=Tr
                                   f"{task}/{split}" if progress else None)
         except ConnectionError as e:
             raise ConnectionError(f"{e}; without internet, copy {data_dir} from a machine where eval.py ran "
-                                  f"once (README: Data, and running offline)") from None
+                                  f"once (docs/REFERENCE.md, Evaluation: Data, and running offline)") from None
         write_jsonl(path, rows)
     rows = read_jsonl(path, t.fields)
     if len(rows) != expected:

@@ -29,6 +29,9 @@ def test_default_tokenizer_offline_says_what_to_do(offline):
     msg = str(e.value)
     assert "could not download its gpt2 vocabulary (ConnectionError)" in msg and "--tokenizer PATH" in msg
     assert "\n" not in msg and "HTTPConnectionPool" not in msg
+    assert "(README.md: Troubleshooting)" in msg
+    readme = open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "README.md")).read()
+    assert "\n## Troubleshooting\n" in readme and "--tokenizer r50k_base.tiktoken" in readme  # what it points at
 
 
 # ---------------------------------------------------------------- format

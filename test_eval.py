@@ -501,6 +501,9 @@ def test_unreachable_server_fails_at_once_with_the_offline_hint(where, tmp_path,
     assert msg.startswith(f"{url}/rows: cannot connect (") and "\n" not in msg
     assert ("Connection refused" if where == "refused" else "nonexistent.invalid") in msg
     assert f"copy {tmp_path / 'eval'} from a machine where eval.py ran once" in msg
+    assert msg.endswith("(docs/REFERENCE.md, Evaluation: Data, and running offline)")
+    reference = open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "docs", "REFERENCE.md")).read()
+    assert "\n## Evaluation\n" in reference and "\n**Data, and running offline.**" in reference  # what it points at
 
 
 def test_cli_offline_without_tokenizer_says_what_to_do(offline):
