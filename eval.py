@@ -436,19 +436,19 @@ def main(argv=None):
             if not os.access(os.path.dirname(args.out) or ".", os.W_OK):
                 raise ValueError(f"--out {args.out}: directory is not writable")
     except (ValueError, OSError) as e:
-        raise SystemExit(f"error: {e}")
+        raise SystemExit(f"eval.py: error: {e}")
     if args.drop_anchor:
         if model.config.anchor == "none":
-            raise SystemExit(f"--drop_anchor: {args.ckpt} has no anchors (anchor='none')")
+            raise SystemExit(f"eval.py: error: --drop_anchor: {args.ckpt} has no anchors (anchor='none')")
         model.drop_anchor = True
     if enc.max_token_value >= model.config.vocab_size:
-        raise SystemExit(f"--tokenizer: token ids up to {enc.max_token_value} but {args.ckpt} has "
+        raise SystemExit(f"eval.py: error: --tokenizer: token ids up to {enc.max_token_value} but {args.ckpt} has "
                          f"vocab_size={model.config.vocab_size}")
     try:
         data = {t: (load_split(t, "eval", args.data_dir, args.base_url)[:args.limit],
                     load_split(t, "pool", args.data_dir, args.base_url)) for t in args.tasks}
     except (ValueError, ConnectionError, OSError) as e:
-        raise SystemExit(f"error: {e}")
+        raise SystemExit(f"eval.py: error: {e}")
 
     results, n_req, t0 = {}, 0, time.time()
     for task, (docs, pool) in data.items():

@@ -601,7 +601,7 @@ def test_cli_refuses_drop_anchor_without_anchors(tmp_path, enc_file):
     cfg = GPTConfig(n_layer=1, n_head=2, n_embd=16, block_size=32, vocab_size=384)
     ckpt = tmp_path / "base.pt"
     save_checkpoint(str(ckpt), {"model": GPT(cfg).state_dict(), "model_config": dataclasses.asdict(cfg)})
-    with pytest.raises(SystemExit, match="--drop_anchor: .*anchor='none'"):
+    with pytest.raises(SystemExit, match="^eval.py: error: --drop_anchor: .*anchor='none'"):
         ev.main([str(ckpt), "--drop_anchor", "--tokenizer", str(enc_file), "--data_dir", str(tmp_path)])
-    with pytest.raises(SystemExit, match="error: .*nothing.pt"):
+    with pytest.raises(SystemExit, match="^eval.py: error: .*nothing.pt"):
         ev.main([str(tmp_path / "nothing.pt"), "--tokenizer", str(enc_file)])
