@@ -7,7 +7,6 @@ import json
 import math
 import os
 import random
-import socket
 import subprocess
 import sys
 import threading
@@ -488,12 +487,9 @@ def test_download_errors_are_clear(api, tmp_path):
 
 
 @pytest.mark.parametrize("where", ["refused", "no such host"])
-def test_unreachable_server_fails_at_once_with_the_offline_hint(where, tmp_path, monkeypatch):
+def test_unreachable_server_fails_at_once_with_the_offline_hint(where, closed_url, tmp_path, monkeypatch):
     """No connection at all (offline): no retries, no waiting, and the way out."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        closed = f"http://127.0.0.1:{s.getsockname()[1]}"
-    url = closed if where == "refused" else "http://nonexistent.invalid"
+    url = closed_url if where == "refused" else "http://nonexistent.invalid"
     monkeypatch.setattr(ev.time, "sleep", lambda s: pytest.fail(f"slept {s}s before retrying"))
     with pytest.raises(ConnectionError) as e:
         ev.load_split("piqa", "eval", str(tmp_path / "eval"), url, progress=False)
