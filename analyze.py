@@ -51,7 +51,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from data import atomic_write, val_batches
-from model import document_mask, load_model, trained_doc_mask
+from model import check_checkpoint, document_mask, load_model, trained_doc_mask
 
 TOP_K = (1, 2, 3, 10)
 GATE_CLOSED = 0.2  # σ(g) below this counts towards gate sparsity (Figure 7b)
@@ -525,9 +525,8 @@ def main(argv=None):
     dtype = getattr(torch, args.dtype or ("bfloat16" if device.startswith("cuda") else "float32"))
     try:  # every input is checked before the first model is analysed
         for path in args.ckpts:
-            model, _ = load_model(path, "cpu")
-            windows(args.data_dir, args.tokens, args.batch_size, model.config)
-            del model
+            _, config = check_checkpoint(path, mmap=True)  # no model built, no weight read: analyze loads it
+            windows(args.data_dir, args.tokens, args.batch_size, config)
         os.makedirs(args.out, exist_ok=True)
     except (ValueError, OSError) as e:
         raise SystemExit(f"analyze.py: error: {e}")

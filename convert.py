@@ -18,7 +18,6 @@ import glob
 import os
 import re
 import urllib.parse
-import warnings
 import zipfile
 from dataclasses import asdict
 
@@ -26,7 +25,7 @@ import torch
 
 from configurator import load_config
 from data import ByteBar, DownloadError, atomic_write, download_file
-from model import GPT, GRANULARITY_SHAPES, PROJECTIONS, GPTConfig, load_checkpoint, load_state
+from model import GRANULARITY_SHAPES, PROJECTIONS, GPTConfig, check_state, load_checkpoint
 
 HF_URL = "https://huggingface.co"
 HF_FILE = "ckpt_step:38146.pt"  # the one file of each of the authors' repositories
@@ -149,17 +148,6 @@ def from_ours(ckpt, source):
     return GPTConfig.from_dict(ckpt["model_config"], f"{source}: model_config"), ckpt["model"]
 
 
-def check_state(config, sd, source):
-    """Every tensor of model.py's GPT present with its shape, nothing else; returns the parameter count.
-    The model is built on the meta device: no memory and no init (a minute at 450M on a small CPU)."""
-    with torch.device("meta"):
-        model = GPT(config)
-    with warnings.catch_warnings():  # load_state_dict into meta tensors copies nothing, as wanted here
-        warnings.filterwarnings("ignore", message=".*meta parameter.*no-op")
-        load_state(model, sd, source)
-    return model.num_params()
-
-
 def config_file(config):
     """(path, True) for the file of configs/ that builds this model (vocab_size aside), else (path, False)
     for one of the same variant at another size, else (None, False)."""
@@ -229,7 +217,7 @@ def convert(src, out, cache_dir=CACHE_DIR, base_url=HF_URL):
     else:
         raise ValueError(f"{path}: neither 'model_config' (this code's format) nor 'model_args' "
                          f"(the authors') in it")
-    n_params = check_state(config, sd, path)
+    n_params = check_state(config, sd, path).num_params()
     step = ckpt.get("step")
     match, same = config_file(config)
     where = f"= {match}" if same else f"as {match} at another size" if match else "no file in configs/ matches"
