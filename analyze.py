@@ -41,8 +41,6 @@ import argparse
 import json
 import math
 import os
-import sys
-from contextlib import nullcontext
 from dataclasses import asdict
 
 import numpy as np
@@ -50,8 +48,9 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from data import atomic_write, val_batches
-from model import check_checkpoint, document_mask, load_model, trained_doc_mask
+from checkpoint import Runtime, check_checkpoint, load_model, trained_doc_mask
+from data import atomic_write, read_jsonl, val_batches
+from model import document_mask
 
 TOP_K = (1, 2, 3, 10)
 GATE_CLOSED = 0.2  # σ(g) below this counts towards gate sparsity (Figure 7b)
@@ -71,13 +70,20 @@ def attention_mask(idx, doc_mask=False):
 
 # ----------------------------------------------------------------------------- per-batch reductions
 
+def add_to(sums, new):
+    """Running sums, {name: float64 tensor}: sums += new, name by name."""
+    for name, value in new.items():
+        sums[name] += value
+
+
 def attention_sums(q, k, mask):
-    """q, k (B, H, T, D) as SDPA gets them, mask (B, T, T) -> float64 tensor of sums over every
-    (window, head, query): [sink, entropy, top-k mean for k in TOP_K..., count]. The weights are formed
-    for a few queries at a time, never all B×H×T×T of them."""
+    """q, k (B, H, T, D) as SDPA gets them, mask (B, T, T) -> float64 sums over every (window, head, query):
+    {sink, entropy, top_1, top_2, top_3, top_10 (the mean of a query's k largest weights), queries}. The weights
+    are formed for a few queries at a time, never all B×H×T×T of them."""
     B, H, T, D = q.shape
     q, k = q.float(), k.float()
-    sums = torch.zeros(3 + len(TOP_K), dtype=torch.float64, device=q.device)
+    zero = lambda: torch.zeros((), dtype=torch.float64, device=q.device)
+    sums = {"sink": zero(), "entropy": zero(), **{f"top_{j}": zero() for j in TOP_K}, "queries": zero()}
     rows = max(1, ATTN_CHUNK // (H * T))
     kmax = min(max(TOP_K), T)
     for b in range(B):
@@ -86,23 +92,23 @@ def attention_sums(q, k, mask):
             p = scores.masked_fill(~mask[b, t0:t0 + rows], float("-inf")).softmax(dim=-1)
             top = p.topk(kmax, dim=-1).values.cumsum(dim=-1)  # (H, rows, kmax): sum of the j largest
             first = mask[b, t0:t0 + rows].int().argmax(-1)  # the first key a query sees: 0, or its document's start
-            sums[0] += p.gather(-1, first[None, :, None].expand(p.size(0), -1, 1)).sum()
-            sums[1] -= torch.special.xlogy(p, p).sum()  # 0·log 0 = 0 for the keys it cannot see
-            for i, j in enumerate(TOP_K):
-                sums[2 + i] += top[..., min(j, T) - 1].sum() / j
-            sums[-1] += p.shape[0] * p.shape[1]
+            sums["sink"] += p.gather(-1, first[None, :, None].expand(p.size(0), -1, 1)).sum()
+            sums["entropy"] -= torch.special.xlogy(p, p).sum()  # 0·log 0 = 0 for the keys it cannot see
+            for j in TOP_K:
+                sums[f"top_{j}"] += top[..., min(j, T) - 1].sum() / j
+            sums["queries"] += p.shape[0] * p.shape[1]
     return sums
 
 
 def gate_sums(g):
-    """Gate logits (any shape) -> float64 [Σ σ(g), number of σ(g) < GATE_CLOSED, count]."""
+    """Gate logits (any shape) -> float64 {sigmoid: Σ σ(g), closed: number of σ(g) < GATE_CLOSED, count}."""
     s = torch.sigmoid(g.float())
-    return torch.stack([s.sum().double(), (s < GATE_CLOSED).sum().double(),
-                        torch.tensor(s.numel(), dtype=torch.float64, device=s.device)])
+    return {"sigmoid": s.sum().double(), "closed": (s < GATE_CLOSED).sum().double(),
+            "count": torch.tensor(s.numel(), dtype=torch.float64, device=s.device)}
 
 
 def token_similarity_sums(h):
-    """h (B, T, C) -> float64 [Σ cos, Σ cos², number of pairs] over the pairs i < j of each window.
+    """h (B, T, C) -> float64 {cos: Σ cos, cos2: Σ cos², pairs} over the pairs i < j of each window.
     Σ_ij cos_ij = ‖Σ_i x̂_i‖² and Σ_ij cos_ij² = ‖X̂X̂ᵀ‖_F² = ‖X̂ᵀX̂‖_F²: no T×T matrix is needed when C < T."""
     B, T, C = h.shape
     x = F.normalize(h.float(), dim=-1)
@@ -110,8 +116,8 @@ def token_similarity_sums(h):
     total = x.sum(1).double().square().sum() - diag.double().sum()
     squares = sum(((xb @ xb.mT) if T <= C else (xb.mT @ xb)).double().square().sum() for xb in x)
     squares = squares - diag.double().square().sum()
-    return torch.stack([total / 2, squares / 2, torch.tensor(B * T * (T - 1) / 2, dtype=torch.float64,
-                                                              device=h.device)])
+    return {"cos": total / 2, "cos2": squares / 2,
+            "pairs": torch.tensor(B * T * (T - 1) / 2, dtype=torch.float64, device=h.device)}
 
 
 def pca_dims(sum_x, sum_xx, n, fraction=PCA_VARIANCE):
@@ -138,12 +144,13 @@ class Recorder:
         cfg, self.model = model.config, model
         L, C, dev, f64 = cfg.n_layer, cfg.n_embd, next(model.parameters()).device, torch.float64
         self.active, self.mask, self.batch_states = True, None, []
-        self.attn = torch.zeros(L, 3 + len(TOP_K), dtype=f64, device=dev)
-        self.gate = torch.zeros(L, 3, dtype=f64, device=dev) if cfg.gate else None
+        zeros = lambda *names: {n: torch.zeros((), dtype=f64, device=dev) for n in names}
+        self.attn = [zeros("sink", "entropy", *(f"top_{j}" for j in TOP_K), "queries") for _ in range(L)]
+        self.gate = [zeros("sigmoid", "closed", "count") for _ in range(L)] if cfg.gate else None
         self.scale_ratio = torch.zeros(L, len(cfg.mixed), dtype=f64, device=dev)  # Σ s1/s2 over tokens
         self.scale_tokens = torch.zeros(L, dtype=f64, device=dev)
         S = L + 1
-        self.tok_sim = torch.zeros(S, 3, dtype=f64, device=dev)
+        self.tok_sim = [zeros("cos", "cos2", "pairs") for _ in range(S)]  # per hidden state
         self.max_abs = torch.zeros(S, device=dev)
         self.norm_sum = torch.zeros(S, dtype=f64, device=dev)
         self.sum_x = torch.zeros(S, C, dtype=f64, device=dev)
@@ -182,9 +189,9 @@ class Recorder:
         return inspect
 
     def _attention(self, i, q, k, g, scales):  # q, k, g (B, H, T, D) of layer i
-        self.attn[i] += attention_sums(q, k, self.mask)
+        add_to(self.attn[i], attention_sums(q, k, self.mask))
         if g is not None:
-            self.gate[i] += gate_sums(g)
+            add_to(self.gate[i], gate_sums(g))
         if scales is not None:  # {λ name: (B, 1, T, 1)}
             ratio = torch.stack([scales[s + "1"] / scales[s + "2"] for s in self.model.config.mixed]).float()
             self.scale_ratio[i] += ratio.flatten(1).double().sum(1)
@@ -193,7 +200,7 @@ class Recorder:
     def _hidden(self, i, h):  # h (B, T, C), hidden state i; states arrive in order 0..L
         h = h.float()
         x = h.flatten(0, 1)
-        self.tok_sim[i] += token_similarity_sums(h)
+        add_to(self.tok_sim[i], token_similarity_sums(h))
         self.max_abs[i] = torch.maximum(self.max_abs[i], x.abs().max())
         self.norm_sum[i] += x.norm(dim=-1).double().sum()
         self.sum_x[i] += x.double().sum(0)
@@ -206,15 +213,15 @@ class Recorder:
     def results(self):
         """The metrics of the module docstring, as plain lists (NaN where a metric does not exist)."""
         L = self.model.config.n_layer
-        a = (self.attn / self.attn[:, -1:]).tolist()
-        out = {"attention_sink": [r[0] for r in a], "attention_entropy": [r[1] for r in a],
-               "top_k_attention": {str(k): [r[2 + i] for r in a] for i, k in enumerate(TOP_K)}}
-        g = self.gate
-        out["gate_mean"] = None if g is None else (g[:, 0] / g[:, 2]).tolist()
-        out["gate_sparsity"] = None if g is None else (g[:, 1] / g[:, 2]).tolist()
-        mean = self.tok_sim[:, 0] / self.tok_sim[:, 2]
-        out["token_similarity"] = mean.tolist()
-        out["token_similarity_std"] = (self.tok_sim[:, 1] / self.tok_sim[:, 2] - mean ** 2).clamp_min(0).sqrt().tolist()
+        per_query = lambda name: [(a[name] / a["queries"]).item() for a in self.attn]
+        out = {"attention_sink": per_query("sink"), "attention_entropy": per_query("entropy"),
+               "top_k_attention": {str(k): per_query(f"top_{k}") for k in TOP_K}}
+        per_gate = lambda name: None if self.gate is None else [(g[name] / g["count"]).item() for g in self.gate]
+        out["gate_mean"], out["gate_sparsity"] = per_gate("sigmoid"), per_gate("closed")
+        mean = [(t["cos"] / t["pairs"]).item() for t in self.tok_sim]
+        out["token_similarity"] = mean
+        out["token_similarity_std"] = [math.sqrt(max(0.0, (t["cos2"] / t["pairs"]).item() - m ** 2))
+                                       for t, m in zip(self.tok_sim, mean)]
         out["max_activation"] = self.max_abs.tolist()
         out["hidden_norm"] = (self.norm_sum / self.tokens).tolist()
         out["pca_dims"] = [pca_dims(self.sum_x[i], self.sum_xx[i], self.tokens) for i in range(L + 1)]
@@ -233,22 +240,15 @@ class Recorder:
 
 # ----------------------------------------------------------------------------- one checkpoint
 
-def read_curve(ckpt_path):
-    """[step, val_loss] pairs from the log.jsonl that train.py writes next to its checkpoint, or None."""
+def read_curve(ckpt_path, step=None):
+    """[step, val_loss] pairs from the log.jsonl that train.py writes next to its checkpoints, up to `step`
+    (a ckpt_<step>.pt of the run's history sees the curve up to itself), or None without a log."""
     log = os.path.join(os.path.dirname(ckpt_path), "log.jsonl")
     if not os.path.isfile(log):
         return None
-    curve = []
-    with open(log, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            try:
-                entry = json.loads(line)
-            except ValueError:  # e.g. a line cut by a crash: the rest of the log is still good
-                print(f"note: {log}:{n}: not JSON, skipped", file=sys.stderr)
-                continue
-            if isinstance(entry, dict) and "step" in entry and isinstance(entry.get("val_loss"), (int, float)):
-                curve.append([entry["step"], entry["val_loss"]])
-    return curve
+    return [[e["step"], e["val_loss"]] for e in read_jsonl(log)
+            if isinstance(e, dict) and isinstance(e.get("val_loss"), (int, float))
+            and (step is None or e.get("step", 0) <= step)]
 
 
 def windows(data_dir, tokens, batch_size, cfg):
@@ -262,24 +262,24 @@ def windows(data_dir, tokens, batch_size, cfg):
 
 
 @torch.no_grad()
-def analyze(path, data_dir, tokens, batch_size=8, device="cpu", dtype=torch.float32, desc=None):
+def analyze(path, data_dir, tokens, batch_size=8, runtime=Runtime("cpu", torch.float32), desc=None):
     """Every metric of the module docstring for one checkpoint: a JSON-ready dict."""
-    model, ckpt = load_model(path, device)
+    model, ckpt = load_model(path, runtime.device)
     cfg, doc_mask = model.config, trained_doc_mask(ckpt)
     batches = windows(data_dir, tokens, batch_size, cfg)
     n_windows = sum(len(x) for x, _ in batches)
-    amp = torch.autocast(torch.device(device).type, dtype=dtype) if dtype != torch.float32 else nullcontext()
+    device, amp = runtime.device, runtime.autocast
     rec = Recorder(model)
     losses, losses_no_anchor = [], []
     try:
         for x, y in tqdm(batches, desc=desc, unit="batch", disable=desc is None):
             x, y = x.to(device), y.to(device)
             rec.begin(x, doc_mask)
-            with amp:
+            with amp():
                 losses.append(model(x, y, doc_mask=doc_mask)[1].item() * len(x))
             if cfg.anchor != "none":  # §4.5: the same windows with every anchor term removed
                 rec.active, model.drop_anchor = False, True
-                with amp:
+                with amp():
                     losses_no_anchor.append(model(x, y, doc_mask=doc_mask)[1].item() * len(x))
                 rec.active, model.drop_anchor = True, False
         metrics = rec.results()
@@ -287,11 +287,11 @@ def analyze(path, data_dir, tokens, batch_size=8, device="cpu", dtype=torch.floa
         rec.remove()
     return {"variant": cfg.name, "config": asdict(cfg), "step": ckpt.get("step"),
             "source": ckpt.get("source"), "params": model.num_params(), "data_dir": data_dir,
-            "tokens": rec.tokens, "windows": n_windows, "dtype": str(dtype).removeprefix("torch."),
+            "tokens": rec.tokens, "windows": n_windows, "dtype": str(runtime.dtype).removeprefix("torch."),
             "doc_mask": doc_mask,
             "val_loss": sum(losses) / n_windows,
             "val_loss_no_anchor": sum(losses_no_anchor) / n_windows if losses_no_anchor else None,
-            "curve": read_curve(path), **metrics}
+            "curve": read_curve(path, ckpt.get("step")), **metrics}
 
 
 # ----------------------------------------------------------------------------- output
@@ -344,156 +344,197 @@ def print_table(results):
 
 # ----------------------------------------------------------------------------- figures
 
+class Figures:
+    """What every figure needs: pyplot, the output folder, the models' labels, and the files written so far."""
+
+    def __init__(self, plt, results, out):
+        self.plt, self.results, self.out, self.name, self.files = plt, results, out, labels(results), []
+
+    def save(self, fig, filename):
+        path = os.path.join(self.out, filename)
+        with atomic_write(path) as f:
+            fig.savefig(f, format="png", dpi=110)
+        self.plt.close(fig)
+        self.files.append(path)
+
+    def panels(self, n, size=(4.6, 3.6)):
+        """A figure of n panels, 2 by 2 for four, else up to 3 a row; the unused ones hidden."""
+        cols = 2 if n == 4 else min(3, n)
+        rows = math.ceil(n / cols)
+        fig, axes = self.plt.subplots(rows, cols, figsize=(max(6.4, size[0] * cols), size[1] * rows),
+                                      squeeze=False, layout="constrained")
+        for ax in axes.flat[n:]:
+            ax.set_visible(False)
+        return fig, list(axes.flat[:n])
+
+    @staticmethod
+    def integer_ticks(*axes):  # layers and hidden states are whole numbers
+        from matplotlib.ticker import MaxNLocator
+        for axis in axes:
+            axis.set_major_locator(MaxNLocator(integer=True))
+
+
+def nan_row(row, width=0):
+    """A list of numbers for plotting: None -> NaN (a missing row: width NaNs)."""
+    return [math.nan] * width if row is None else [math.nan if v is None else v for v in row]
+
+
+def mixed_ratios(e, s):
+    """λ1/λ2 rows of projection s as the model really mixes: with the dynamic scales when it has them."""
+    return (e["lambda_ratio_effective"] or e["lambda_ratio"])[s]
+
+
+def plot_lambda_heatmaps(figs):
+    """Figures 3 and 5: λ1/λ2 heatmaps, layers × channels, one panel per model, one figure per projection."""
+    for s in PROJ_NAMES:
+        having = [p for p, e in figs.results.items() if s in e["lambda_ratio"]]
+        if not having:
+            continue
+        mats = {}
+        for p in having:
+            rows = mixed_ratios(figs.results[p], s)
+            width = max(len(r) for r in rows if r is not None)
+            mats[p] = np.array([nan_row(r, width) for r in rows], dtype=float)
+        values = np.concatenate([m[np.isfinite(m)] for m in mats.values()])
+        lo, hi = np.percentile(values, [1, 99]) if values.size else (0, 1)
+        fig, axes = figs.panels(len(having))
+        for ax, p in zip(axes, having):
+            e = figs.results[p]
+            im = ax.imshow(np.ma.masked_invalid(mats[p]), aspect="auto", origin="lower", vmin=lo, vmax=hi,
+                           cmap="viridis", interpolation="nearest")
+            ax.set_title(figs.name[p] + (" (with dynamic scales)" if e["lambda_ratio_effective"] else ""), fontsize=9)
+            width = mats[p].shape[1]
+            ax.set_xlabel("(scalar)" if width == 1 else "head" if width == e["config"]["n_head"] else
+                          "channel (head-major)")
+            ax.set_ylabel("layer")
+            figs.integer_ticks(ax.xaxis, ax.yaxis)
+            fig.colorbar(im, ax=ax)
+        fig.suptitle(f"{PROJ_NAMES[s]}: λ1/λ2, anchor vs the layer's own projection")
+        figs.save(fig, f"lambda_ratio_{s}.png")
+
+
+def plot_lambda_layers(figs):
+    """Figure 6: λ1/λ2 per layer (mean over channels), every mixed projection, the models together."""
+    mixed = [s for s in PROJ_NAMES if any(s in e["lambda_ratio"] for e in figs.results.values())]
+    if not mixed:
+        return
+    fig, axes = figs.panels(len(mixed), (4.6, 3.4))
+    for ax, s in zip(axes, mixed):
+        for p, e in figs.results.items():
+            if s in e["lambda_ratio"]:
+                rows = mixed_ratios(e, s)
+                ax.plot(range(len(rows)), [math.nan if r is None else float(np.mean(r)) for r in rows], marker="o",
+                        ms=3, label=figs.name[p] + (" (effective)" if e["lambda_ratio_effective"] else ""))
+        ax.axhline(1, color="gray", ls="--", lw=0.8)
+        ax.set(title=f"{PROJ_NAMES[s]}: mean λ1/λ2", xlabel="layer", ylabel="λ1/λ2")
+        figs.integer_ticks(ax.xaxis)
+    axes[0].legend(fontsize=8)
+    figs.save(fig, "lambda_ratio_layers.png")
+
+
+STATE_AXIS = "hidden state (0 = embeddings, i = after block i)"
+LINE_PLOTS = [  # Figures 4 and 7: (metric, title, x axis, log scale)
+    ("attention_sink", "attention on the first key a query sees (sink)", "layer", False),
+    ("attention_entropy", "attention entropy (nats)", "layer", False),
+    ("gate_mean", "mean gate σ(g)", "layer", False),
+    ("gate_sparsity", f"gate sparsity (fraction of σ(g) < {GATE_CLOSED})", "layer", False),
+    ("token_similarity", "mean cosine similarity between positions", STATE_AXIS, False),
+    ("token_similarity_std", "std of the cosine similarity between positions", STATE_AXIS, False),
+    ("max_activation", "max |h|", STATE_AXIS, True),
+    ("hidden_norm", "mean ‖h‖₂", STATE_AXIS, True),
+    ("pca_dims", f"principal components for {PCA_VARIANCE:.0%} of the variance", STATE_AXIS, False)]
+
+
+def plot_line_metrics(figs):
+    """Figures 4 and 7: one line per model for every per-layer metric, a figure each."""
+    for key, title, xlabel, log in LINE_PLOTS:
+        having = [p for p, e in figs.results.items() if e[key] is not None]
+        if not having:
+            continue
+        fig, ax = figs.plt.subplots(figsize=(6.4, 4), layout="constrained")
+        for p in having:
+            ax.plot(nan_row(figs.results[p][key]), marker="o", ms=3, label=figs.name[p])
+        ax.set(title=title, xlabel=xlabel, yscale="log" if log else "linear")
+        figs.integer_ticks(ax.xaxis)
+        ax.legend(fontsize=8)
+        ax.grid(alpha=0.3)
+        figs.save(fig, f"{key}.png")
+
+
+def plot_top_k(figs):
+    """Figure 4: the mean of a query's k largest attention weights per layer, one panel per k."""
+    fig, axes = figs.panels(len(TOP_K), (4.2, 3.2))
+    for ax, k in zip(axes, TOP_K):
+        for p, e in figs.results.items():
+            ax.plot(e["top_k_attention"][str(k)], marker="o", ms=3, label=figs.name[p])
+        ax.set(title=f"mean of the top-{k} attention weight{'s' if k > 1 else ''}", xlabel="layer")
+        figs.integer_ticks(ax.xaxis)
+    axes[0].legend(fontsize=8)
+    figs.save(fig, "top_k_attention.png")
+
+
+def plot_layer_similarity(figs):
+    """Figure 8: layer-to-layer similarity of the hidden states, one panel per model."""
+    fig, axes = figs.panels(len(figs.results), (4.4, 3.8))
+    lo = min(min(map(min, e["layer_similarity"])) for e in figs.results.values())
+    for ax, (p, e) in zip(axes, figs.results.items()):
+        im = ax.imshow(np.array(e["layer_similarity"]), vmin=lo, vmax=1, cmap="magma")
+        ax.set(title=figs.name[p], xlabel="hidden state", ylabel="hidden state")
+        figs.integer_ticks(ax.xaxis, ax.yaxis)
+        fig.colorbar(im, ax=ax)
+    fig.suptitle("cosine similarity of two layers' hidden states (0 = embeddings)")
+    figs.save(fig, "layer_similarity.png")
+
+
+def plot_val_curves(figs):
+    """Figure 2: validation loss over training, from each checkpoint's log.jsonl."""
+    having = [p for p, e in figs.results.items() if e["curve"]]
+    if not having:
+        return
+    fig, ax = figs.plt.subplots(figsize=(6.4, 4), layout="constrained")
+    for p in having:
+        steps, losses = zip(*figs.results[p]["curve"])
+        ax.plot(steps, losses, marker=".", label=figs.name[p])
+    # the untrained model's loss at step 0 would squash the rest of the curves: clip it
+    later = [v for p in having for _, v in figs.results[p]["curve"][1:]]
+    if later:
+        spread = max(later) - min(later) or 1.0
+        ax.set_ylim(min(later) - 0.05 * spread, max(later) + 0.1 * spread)
+    ax.set(title="validation loss during training (log.jsonl)", xlabel="step", ylabel="val loss")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    figs.save(fig, "val_loss_curves.png")
+
+
+def plot_anchor_removal(figs):
+    """§4.5: validation loss with and without the anchors, side by side per model."""
+    results = figs.results
+    fig, ax = figs.plt.subplots(figsize=(max(4.0, 1.8 * len(results)), 4), layout="constrained")
+    x = np.arange(len(results))
+    for offset, key, label in ((-0.2, "val_loss", "with anchors"), (0.2, "val_loss_no_anchor", "anchors removed")):
+        vals = [e[key] if e[key] is not None else math.nan for e in results.values()]
+        bars = ax.bar(x + offset, vals, 0.4, label=label)
+        ax.bar_label(bars, labels=["" if math.isnan(v) else f"{v:.2f}" for v in vals], fontsize=8)
+    ax.set_xticks(x, [figs.name[p] for p in results], rotation=15, ha="right", fontsize=8)
+    ax.set(title="anchor removal at inference (§4.5)", ylabel="val loss")
+    ax.set_ylim(top=1.25 * ax.get_ylim()[1])  # room for the legend above the bars
+    ax.legend(fontsize=8, loc="upper left", ncols=2)
+    figs.save(fig, "anchor_removal.png")
+
+
 def plot(results, out):
     """PNG figures of `results` in `out`; the list of files written, or None without matplotlib."""
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
-        from matplotlib.ticker import MaxNLocator
     except ImportError:
         return None
-    name, files = labels(results), []
-    nan = lambda row, width: [math.nan] * width if row is None else [math.nan if v is None else v for v in row]
-
-    def save(fig, filename):
-        path = os.path.join(out, filename)
-        with atomic_write(path) as f:
-            fig.savefig(f, format="png", dpi=110)
-        plt.close(fig)
-        files.append(path)
-
-    def layer_ticks(ax, *axes):  # layers and hidden states are whole numbers
-        for axis in axes or (ax.xaxis,):
-            axis.set_major_locator(MaxNLocator(integer=True))
-
-    def panels(n, size=(4.6, 3.6)):
-        cols = 2 if n == 4 else min(3, n)
-        rows = math.ceil(n / cols)
-        fig, axes = plt.subplots(rows, cols, figsize=(max(6.4, size[0] * cols), size[1] * rows), squeeze=False,
-                                 layout="constrained")
-        for ax in axes.flat[n:]:
-            ax.set_visible(False)
-        return fig, list(axes.flat[:n])
-
-    def ratio_rows(e, s):  # what the model really mixes: with the dynamic scales when it has them
-        return (e["lambda_ratio_effective"] or e["lambda_ratio"])[s]
-
-    # Figures 3 and 5: λ1/λ2 heatmaps, layers × channels, one panel per model, one figure per projection
-    for s in "qkvg":
-        having = [p for p, e in results.items() if s in e["lambda_ratio"]]
-        if not having:
-            continue
-        mats = {}
-        for p in having:
-            rows = ratio_rows(results[p], s)
-            width = max(len(r) for r in rows if r is not None)
-            mats[p] = np.array([nan(r, width) for r in rows], dtype=float)
-        values = np.concatenate([m[np.isfinite(m)] for m in mats.values()])
-        lo, hi = np.percentile(values, [1, 99]) if values.size else (0, 1)
-        fig, axes = panels(len(having))
-        for ax, p in zip(axes, having):
-            im = ax.imshow(np.ma.masked_invalid(mats[p]), aspect="auto", origin="lower", vmin=lo, vmax=hi,
-                           cmap="viridis", interpolation="nearest")
-            ax.set_title(name[p] + (" (with dynamic scales)" if results[p]["lambda_ratio_effective"] else ""),
-                         fontsize=9)
-            ax.set_xlabel({1: "(scalar)", results[p]["config"]["n_head"]: "head"}.get(mats[p].shape[1],
-                                                                                     "channel (head-major)"))
-            ax.set_ylabel("layer")
-            layer_ticks(ax, ax.xaxis, ax.yaxis)
-            fig.colorbar(im, ax=ax)
-        fig.suptitle(f"{PROJ_NAMES[s]}: λ1/λ2, anchor vs the layer's own projection")
-        save(fig, f"lambda_ratio_{s}.png")
-
-    # Figure 6: λ1/λ2 per layer (mean over channels), every mixed projection, models together
-    mixed = [s for s in "qkvg" if any(s in e["lambda_ratio"] for e in results.values())]
-    if mixed:
-        fig, axes = panels(len(mixed), (4.6, 3.4))
-        for ax, s in zip(axes, mixed):
-            for p, e in results.items():
-                if s in e["lambda_ratio"]:
-                    rows = ratio_rows(e, s)
-                    ax.plot(range(len(rows)), [math.nan if r is None else float(np.mean(r)) for r in rows],
-                            marker="o", ms=3, label=name[p] + (" (effective)" if e["lambda_ratio_effective"] else ""))
-            ax.axhline(1, color="gray", ls="--", lw=0.8)
-            ax.set(title=f"{PROJ_NAMES[s]}: mean λ1/λ2", xlabel="layer", ylabel="λ1/λ2")
-            layer_ticks(ax)
-        axes[0].legend(fontsize=8)
-        save(fig, "lambda_ratio_layers.png")
-
-    # Figures 4 and 7: one line per model for every per-layer metric
-    state_axis = "hidden state (0 = embeddings, i = after block i)"
-    line_plots = [("attention_sink", "attention on the first key a query sees (sink)", "layer", False),
-                  ("attention_entropy", "attention entropy (nats)", "layer", False),
-                  ("gate_mean", "mean gate σ(g)", "layer", False),
-                  ("gate_sparsity", f"gate sparsity (fraction of σ(g) < {GATE_CLOSED})", "layer", False),
-                  ("token_similarity", "mean cosine similarity between positions", state_axis, False),
-                  ("token_similarity_std", "std of the cosine similarity between positions", state_axis, False),
-                  ("max_activation", "max |h|", state_axis, True),
-                  ("hidden_norm", "mean ‖h‖₂", state_axis, True),
-                  ("pca_dims", f"principal components for {PCA_VARIANCE:.0%} of the variance", state_axis, False)]
-    for key, title, xlabel, log in line_plots:
-        having = [p for p, e in results.items() if e[key] is not None]
-        if not having:
-            continue
-        fig, ax = plt.subplots(figsize=(6.4, 4), layout="constrained")
-        for p in having:
-            ax.plot(nan(results[p][key], 0), marker="o", ms=3, label=name[p])
-        ax.set(title=title, xlabel=xlabel, yscale="log" if log else "linear")
-        layer_ticks(ax)
-        ax.legend(fontsize=8)
-        ax.grid(alpha=0.3)
-        save(fig, f"{key}.png")
-    fig, axes = panels(len(TOP_K), (4.2, 3.2))
-    for ax, k in zip(axes, TOP_K):
-        for p, e in results.items():
-            ax.plot(e["top_k_attention"][str(k)], marker="o", ms=3, label=name[p])
-        ax.set(title=f"mean of the top-{k} attention weight{'s' if k > 1 else ''}", xlabel="layer")
-        layer_ticks(ax)
-    axes[0].legend(fontsize=8)
-    save(fig, "top_k_attention.png")
-
-    # Figure 8: layer-to-layer similarity of the hidden states
-    fig, axes = panels(len(results), (4.4, 3.8))
-    lo = min(min(map(min, e["layer_similarity"])) for e in results.values())
-    for ax, (p, e) in zip(axes, results.items()):
-        im = ax.imshow(np.array(e["layer_similarity"]), vmin=lo, vmax=1, cmap="magma")
-        ax.set(title=name[p], xlabel="hidden state", ylabel="hidden state")
-        layer_ticks(ax, ax.xaxis, ax.yaxis)
-        fig.colorbar(im, ax=ax)
-    fig.suptitle("cosine similarity of two layers' hidden states (0 = embeddings)")
-    save(fig, "layer_similarity.png")
-
-    # Figure 2: validation loss over training
-    having = [p for p, e in results.items() if e["curve"]]
-    if having:
-        fig, ax = plt.subplots(figsize=(6.4, 4), layout="constrained")
-        for p in having:
-            steps, losses = zip(*results[p]["curve"])
-            ax.plot(steps, losses, marker=".", label=name[p])
-        # the untrained model's loss at step 0 would squash the rest of the curves: clip it
-        later = [v for p in having for _, v in results[p]["curve"][1:]]
-        if later:
-            spread = max(later) - min(later) or 1.0
-            ax.set_ylim(min(later) - 0.05 * spread, max(later) + 0.1 * spread)
-        ax.set(title="validation loss during training (log.jsonl)", xlabel="step", ylabel="val loss")
-        ax.legend(fontsize=8)
-        ax.grid(alpha=0.3)
-        save(fig, "val_loss_curves.png")
-
-    # §4.5: validation loss with and without the anchors
-    fig, ax = plt.subplots(figsize=(max(4.0, 1.8 * len(results)), 4), layout="constrained")
-    x = np.arange(len(results))
-    for offset, key, label in ((-0.2, "val_loss", "with anchors"), (0.2, "val_loss_no_anchor", "anchors removed")):
-        vals = [e[key] if e[key] is not None else math.nan for e in results.values()]
-        bars = ax.bar(x + offset, vals, 0.4, label=label)
-        ax.bar_label(bars, labels=["" if math.isnan(v) else f"{v:.2f}" for v in vals], fontsize=8)
-    ax.set_xticks(x, [name[p] for p in results], rotation=15, ha="right", fontsize=8)
-    ax.set(title="anchor removal at inference (§4.5)", ylabel="val loss")
-    ax.set_ylim(top=1.25 * ax.get_ylim()[1])  # room for the legend above the bars
-    ax.legend(fontsize=8, loc="upper left", ncols=2)
-    save(fig, "anchor_removal.png")
-    return files
+    figs = Figures(plt, results, out)
+    for figure in (plot_lambda_heatmaps, plot_lambda_layers, plot_line_metrics, plot_top_k, plot_layer_similarity,
+                   plot_val_curves, plot_anchor_removal):
+        figure(figs)
+    return figs.files
 
 
 # ----------------------------------------------------------------------------- command line
@@ -521,8 +562,7 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = getattr(torch, args.dtype or ("bfloat16" if device.startswith("cuda") else "float32"))
+    runtime = Runtime.pick(args.device, args.dtype)
     try:  # every input is checked before the first model is analysed
         for path in args.ckpts:
             _, config = check_checkpoint(path, mmap=True)  # no model built, no weight read: analyze loads it
@@ -532,7 +572,7 @@ def main(argv=None):
         raise SystemExit(f"analyze.py: error: {e}")
     results = {}
     for path in args.ckpts:
-        results[path] = analyze(path, args.data_dir, args.tokens, args.batch_size, device, dtype, desc=path)
+        results[path] = analyze(path, args.data_dir, args.tokens, args.batch_size, runtime, desc=path)
     json_path = os.path.join(args.out, "analysis.json")
     with atomic_write(json_path, "w") as f:
         f.write(to_json(results))

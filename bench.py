@@ -16,13 +16,13 @@ import os
 import statistics
 import sys
 import time
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from configurator import help_text, key_comments, load_config, wants_help
-from model import EOT, GPT, GPTConfig
-from train import ALL_DEFAULTS, MODEL_KEYS, configure_optimizers, help_sections, muon_params, optimizer_step, setup
+from model import EOT, GPT, GPTConfig, flops_per_token
+from train import ALL_DEFAULTS, Env, configure_optimizers, help_sections, muon_params, optimizer_step, split_config
 
 BENCH_DEFAULTS = dict(
     steps=5,  # timed steps per model per round
@@ -64,59 +64,76 @@ def main(argv):
         sys.exit(__doc__)
     defaults = {**ALL_DEFAULTS, **BENCH_DEFAULTS}
     try:
-        runs = []  # (name, cfg) of every row: one per file, or two with compare
+        runs = []  # a Row of every row of the table: one per file, or two with compare
         for f in files:
-            cfg = load_config([f] + overrides, defaults)
-            if cfg["compare"] and not isinstance(ALL_DEFAULTS.get(cfg["compare"]), bool):
-                raise ValueError(f"--compare={cfg['compare']}: expected a True/False key such as doc_mask or "
+            flat = load_config([f] + overrides, defaults)
+            key = flat["compare"]
+            if key and not isinstance(ALL_DEFAULTS.get(key), bool):
+                raise ValueError(f"--compare={key}: expected a True/False key such as doc_mask or "
                                  f"activation_checkpointing")
-            GPTConfig(**{k: cfg[k] for k in MODEL_KEYS})  # checks every model before any work
             name = os.path.basename(f)[:-3]
-            runs += [(name + f"+{cfg['compare']}" * on, {**cfg, cfg["compare"]: on})
-                     for on in (False, True)] if cfg["compare"] else [(name, cfg)]
-        _, _, device, autocast, use_compile = setup(runs[0][1])
+            for on in (False, True) if key else (None,):
+                row = {**flat, key: on} if key else flat
+                runs.append(Row(name + f"+{key}" * bool(on), *split_config(row),
+                                {k: row[k] for k in BENCH_DEFAULTS}))  # checks every model before any work
+        env = Env.setup(runs[0].cfg)
     except (ValueError, FileNotFoundError) as e:
         sys.exit(f"bench.py: error: {e}")
-    if runs[0][1]["memory"]:
-        return memory_table(runs, device, autocast)
-    return timing_table(runs, device, autocast, use_compile)
+    if runs[0].bench["memory"]:
+        return memory_table(runs, env)
+    return timing_table(runs, env)
 
 
-def timing_table(runs, device, autocast, use_compile):
-    c0 = runs[0][1]
-    B, T = c0["batch_size"], c0["block_size"]
-    what = "forward+backward+optimisers" if c0["optimizer"] else "forward+backward"
-    print(f"{what}: {device}, {c0['dtype'] or 'auto'} dtype, compile={use_compile}, batch {B} x {T} tokens, "
-          f"{c0['rounds']} rounds x {c0['steps']} steps (+{c0['warmup']} warmup)")
-    x, y = synthetic_batch(B, T, c0["vocab_size"], c0["doc_len"], device)
-    rows = []
-    for name, cfg in runs:  # built one after another: peak memory is per model
-        base = peak_memory_reset(device)
-        torch.manual_seed(cfg["seed"])
-        model = GPT(GPTConfig(**{k: cfg[k] for k in MODEL_KEYS})).to(device)
-        model.activation_checkpointing = cfg["activation_checkpointing"]
-        row = dict(name=name, model=model, cfg=cfg, times=[],
-                   optimizers=configure_optimizers(model, cfg) if cfg["optimizer"] else None,
-                   fwd=torch.compile(model) if use_compile else model)
-        for _ in range(cfg["warmup"]):
-            step(row, x, y, autocast, device)
-        row["memory"] = peak_memory(device, base)
-        rows.append(row)
-    for _ in range(c0["rounds"]):
-        for row in rows:
-            for _ in range(row["cfg"]["steps"]):
-                row["times"].append(step(row, x, y, autocast, device))
+@dataclass
+class Row:
+    """One row of a table: a model and its settings, then what was measured of it."""
+    name: str
+    cfg: object  # train.TrainConfig
+    config: GPTConfig
+    bench: dict  # the BENCH_DEFAULTS keys
+    model: GPT = None
+    optimizers: list = None
+    forward: object = None  # the model, compiled or not
+    times: list = field(default_factory=list)  # seconds per timed step
+    memory: int = None  # peak bytes allocated (CUDA)
+    per_layer: int = None  # --memory: bytes saved for backward per layer, ...
+    fixed: int = None  # ... and outside the layers
+    total: int = None  # ... and in all, at full depth
+    fits: list = None  # micro-batches that fit 40, 80 and 141 GB
 
-    ref_ms = statistics.median(rows[0]["times"]) * 1000
-    ref_flops = rows[0]["model"].flops_per_token(T)
+
+def timing_table(runs, env):
+    first = runs[0]
+    B, T = first.cfg.batch_size, first.config.block_size
+    what = "forward+backward+optimisers" if first.bench["optimizer"] else "forward+backward"
+    print(f"{what}: {env.device}, {first.cfg.dtype or 'auto'} dtype, compile={env.compile}, batch {B} x {T} tokens, "
+          f"{first.bench['rounds']} rounds x {first.bench['steps']} steps (+{first.bench['warmup']} warmup)")
+    x, y = synthetic_batch(B, T, first.config.vocab_size, first.bench["doc_len"], env.device)
+    for row in runs:  # built one after another: peak memory is per model
+        base = peak_memory_reset(env.device)
+        torch.manual_seed(row.cfg.seed)
+        row.model = GPT(row.config).to(env.device)
+        row.model.activation_checkpointing = row.cfg.activation_checkpointing
+        row.optimizers = configure_optimizers(row.model, row.cfg) if row.bench["optimizer"] else None
+        row.forward = torch.compile(row.model) if env.compile else row.model
+        for _ in range(row.bench["warmup"]):
+            step(row, x, y, env)
+        row.memory = peak_memory(env.device, base)
+    for _ in range(first.bench["rounds"]):
+        for row in runs:
+            for _ in range(row.bench["steps"]):
+                row.times.append(step(row, x, y, env))
+
+    ref_ms = statistics.median(first.times) * 1000
+    ref_flops = flops_per_token(first.model, T)
     print(f"\n{'config':<36}{'params':>14}{'ms/step':>10}{'tok/s':>12}{'peak mem':>11}{'time ratio':>12}"
           f"{'FLOP ratio':>12}")
-    for row in rows:
-        ms = statistics.median(row["times"]) * 1000
-        mem = "-" if row["memory"] is None else f"{row['memory'] / 2**30:.2f} GiB"
-        print(f"{row['name']:<36}{row['model'].num_params():>14,}{ms:>10.1f}{B * T / ms * 1000:>12,.0f}"
-              f"{mem:>11}{ms / ref_ms:>12.4f}{row['model'].flops_per_token(T) / ref_flops:>12.4f}")
-    return rows
+    for row in runs:
+        ms = statistics.median(row.times) * 1000
+        mem = "-" if row.memory is None else f"{row.memory / 2**30:.2f} GiB"
+        print(f"{row.name:<36}{row.model.num_params():>14,}{ms:>10.1f}{B * T / ms * 1000:>12,.0f}"
+              f"{mem:>11}{ms / ref_ms:>12.4f}{flops_per_token(row.model, T) / ref_flops:>12.4f}")
+    return runs
 
 
 def synthetic_batch(B, T, vocab_size, doc_len, device):
@@ -156,62 +173,59 @@ def saved_bytes(model, x, y, autocast, doc_mask):
     return sum(s.nbytes() for s in saved.values())
 
 
-def layer_split(config, cfg, x, y, autocast, device, checkpointing):
+def layer_split(row, x, y, env, checkpointing):
     """(per-layer, fixed) bytes saved for backward, from 2- and 3-layer copies of the model (internal
     anchors make layer 1 unlike the others)."""
     measured = []
     for n_layer in (2, 3):
-        torch.manual_seed(cfg["seed"])
-        model = GPT(replace(config, n_layer=n_layer)).to(device)
+        torch.manual_seed(row.cfg.seed)
+        model = GPT(replace(row.config, n_layer=n_layer)).to(env.device)
         model.activation_checkpointing = checkpointing
-        measured.append(saved_bytes(model, x, y, autocast, cfg["doc_mask"]))
+        measured.append(saved_bytes(model, x, y, env.runtime.autocast(), row.cfg.doc_mask))
     return measured[1] - measured[0], measured[0] - 2 * (measured[1] - measured[0])
 
 
-def memory_table(runs, device, autocast):
+def memory_table(runs, env):
     """Activation memory of one block_size sequence per model: the per-layer and fixed parts autograd saves,
     their total at full depth (with activation checkpointing, plus the one block that backward recomputes
     at a time), and the micro-batch that fits 40, 80 and 141 GB GPUs next to the weights, gradients,
     optimiser states and the loss's transient logits."""
-    c0 = runs[0][1]
-    T = c0["block_size"]
-    x, y = synthetic_batch(1, T, c0["vocab_size"], c0["doc_len"], device)
-    print(f"activation memory of one sequence of {T} tokens: {device}, {c0['dtype'] or 'auto'} dtype, eager")
+    first = runs[0]
+    T = first.config.block_size
+    x, y = synthetic_batch(1, T, first.config.vocab_size, first.bench["doc_len"], env.device)
+    print(f"activation memory of one sequence of {T} tokens: {env.device}, {first.cfg.dtype or 'auto'} dtype, eager")
     print(f"\n{'config':<36}{'params':>14}{'per layer':>12}{'fixed':>10}{'GiB/seq':>9}"
           f"{'B @ 40GB':>10}{'B @ 80GB':>10}{'B @ 141GB':>11}")
-    rows = []
-    for name, cfg in runs:
-        config = GPTConfig(**{k: cfg[k] for k in MODEL_KEYS})
-        per_layer, fixed = layer_split(config, cfg, x, y, autocast, device, cfg["activation_checkpointing"])
-        recompute = layer_split(config, cfg, x, y, autocast, device, False)[0] \
-            if cfg["activation_checkpointing"] else 0
-        total = fixed + config.n_layer * per_layer + recompute
+    for row in runs:
+        checkpointing = row.cfg.activation_checkpointing
+        row.per_layer, row.fixed = layer_split(row, x, y, env, checkpointing)
+        recompute = layer_split(row, x, y, env, False)[0] if checkpointing else 0
+        row.total = row.fixed + row.config.n_layer * row.per_layer + recompute
         with torch.device("meta"):
-            full = GPT(config)
+            full = GPT(row.config)
         n_muon = sum(p.numel() for p in muon_params(full))
         state = n_muon * STATE_BYTES["muon"] + (full.num_params() - n_muon) * STATE_BYTES["adam"] + \
-            full.loss_chunk * config.vocab_size * LOGIT_BYTES
-        fits = [max(0, int((gb * 1e9 * HEADROOM - state) // total)) for gb in (40, 80, 141)]
-        rows.append(dict(name=name, params=full.num_params(), per_layer=per_layer, fixed=fixed, total=total,
-                         fits=fits))
-        print(f"{name:<36}{full.num_params():>14,}{per_layer / 2**20:>8.1f} MiB{fixed / 2**20:>6.0f} MiB"
-              f"{total / 2**30:>9.2f}{fits[0]:>10}{fits[1]:>10}{fits[2]:>11}")
-    return rows
+            full.loss_chunk * row.config.vocab_size * LOGIT_BYTES
+        row.fits = [max(0, int((gb * 1e9 * HEADROOM - state) // row.total)) for gb in (40, 80, 141)]
+        print(f"{row.name:<36}{full.num_params():>14,}{row.per_layer / 2**20:>8.1f} MiB{row.fixed / 2**20:>6.0f} MiB"
+              f"{row.total / 2**30:>9.2f}{row.fits[0]:>10}{row.fits[1]:>10}{row.fits[2]:>11}")
+    return runs
 
 
-def step(row, x, y, autocast, device):
+def step(row, x, y, env):
     """One training step (as in train.py without accumulation); returns its wall time in seconds."""
-    if device.startswith("cuda"):
+    cuda = env.device.startswith("cuda")
+    if cuda:
         torch.cuda.synchronize()
     t0 = time.perf_counter()
-    with autocast:
-        _, loss = row["fwd"](x, y, z_loss=row["cfg"]["z_loss"], doc_mask=row["cfg"]["doc_mask"])
+    with env.runtime.autocast():
+        _, loss = row.forward(x, y, z_loss=row.cfg.z_loss, doc_mask=row.cfg.doc_mask)
     loss.backward()
-    if row["cfg"]["optimizer"]:
-        optimizer_step(row["model"], row["optimizers"], row["cfg"])
+    if row.optimizers:
+        optimizer_step(row.model, row.optimizers, row.cfg.grad_clip)
     else:
-        row["model"].zero_grad(set_to_none=True)
-    if device.startswith("cuda"):
+        row.model.zero_grad(set_to_none=True)
+    if cuda:
         torch.cuda.synchronize()
     return time.perf_counter() - t0
 

@@ -24,8 +24,9 @@ from dataclasses import asdict
 import torch
 
 from configurator import load_config
-from data import ByteBar, DownloadError, atomic_write, download_file
-from model import GRANULARITY_SHAPES, PROJECTIONS, GPTConfig, check_state, load_checkpoint
+from data import ByteBar, DownloadError, download_file
+from checkpoint import check_state, load_checkpoint, save_checkpoint
+from model import GRANULARITY_SHAPES, PROJECTIONS, GPTConfig
 
 HF_URL = "https://huggingface.co"
 HF_FILE = "ckpt_step:38146.pt"  # the one file of each of the authors' repositories
@@ -225,8 +226,7 @@ def convert(src, out, cache_dir=CACHE_DIR, base_url=HF_URL):
           f"vocab {config.vocab_size}, step {step}")
     result = {"model": sd, "model_config": asdict(config), "step": step, "source": note, **extra}
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    with atomic_write(out) as f:
-        torch.save(result, f)
+    save_checkpoint(out, result)
     before, after = os.path.getsize(path), os.path.getsize(out)
     print(f"wrote {out}: {n_params:,} parameters in fp32, {after / 1e6:,.1f} MB (the input: {before / 1e6:,.1f} MB)")
     return {"config": config, "step": step, "params": n_params, "bytes_in": before, "bytes_out": after}

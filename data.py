@@ -1,5 +1,6 @@
-"""Token data: the GPT-2 tokenizer, the binary shard format, the readers the trainer uses, atomic
-writes, and the resumable downloader that prepare.py (shards) and convert.py (checkpoints) share.
+"""Data on disk and over the wire: the GPT-2 tokenizer, the binary shard format, the readers the trainer
+uses, atomic writes, JSON Lines, and the one HTTP client: the resumable downloader (prepare.py's shards,
+convert.py's checkpoints) and get_json (eval.py's data sets, convert.py's Hub listings), one retry policy.
 
 Shard format (llm.c / modded-nanogpt): a header of 256 little-endian int32 words (magic 20240520,
 version 1, token count, then zeros), followed by the tokens as little-endian uint16. A shard of
@@ -7,7 +8,10 @@ ntok tokens is therefore exactly 1024 + 2*ntok bytes; anything else is a truncat
 """
 import contextlib
 import glob
+import gzip
+import json
 import os
+import sys
 import threading
 import time
 
@@ -61,6 +65,29 @@ def atomic_write(path, mode="wb"):
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
+
+
+def read_jsonl(path, check=None):
+    """The JSON values of a JSON Lines file (gzipped if it ends in .gz), one per non-blank line, as they are read.
+    A last line that is not JSON and has no newline was cut by a crash mid-write (train.py's log.jsonl, say): it
+    is skipped with a note. Any other bad line is an error naming it, as is check(value) when it returns what
+    is wrong with a value (None when it is right)."""
+    with (gzip.open if str(path).endswith(".gz") else open)(path, "rt", encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                value = json.loads(line)
+            except ValueError as e:
+                if not line.endswith("\n"):
+                    print(f"note: {path}:{n}: the last line is cut short (a crash mid-write?), skipped",
+                          file=sys.stderr)
+                    return
+                raise ValueError(f"{path}:{n}: not valid JSON ({e})") from None
+            problem = check(value) if check else None
+            if problem:
+                raise ValueError(f"{path}:{n}: {problem}")
+            yield value
 
 
 # ----------------------------------------------------------------------------------------------
@@ -255,20 +282,24 @@ def val_batches(data_dir, batch_size, block_size, max_tokens=None, rank=0, world
 
 
 # ----------------------------------------------------------------------------------------------
-# Downloads: resumable, retried, renamed into place only when complete (prepare.py and convert.py)
+# The HTTP client: one retry policy for files (resumable, renamed into place only when complete) and JSON
 
-MAX_TRIES = 8       # failed attempts in a row before giving up on a file (an attempt that
-                    # brings new bytes resets the count, so a flaky link still gets there)
-BACKOFF = 1.0       # seconds before the first retry, doubled after each failure (tests set 0)
+MAX_TRIES = 8       # failed attempts in a row before giving up (for a file, an attempt that brings
+                    # new bytes resets the count, so a flaky link still gets there)
+BACKOFF = 1.0       # seconds before the first retry, doubled after each failure, at most 60 (tests set 0)
 TIMEOUT = (10, 60)  # seconds: connect, and silence while reading
 
 
 class DownloadError(RuntimeError):
-    pass
+    """A request that cannot succeed, or gave up. status: the HTTP status when the server refused it."""
+
+    def __init__(self, message, status=None):
+        super().__init__(message)
+        self.status = status
 
 
 class _Retry(Exception):
-    """A failure worth another attempt (5xx, dropped connection, short body). restart=True: the
+    """A failure worth another attempt (5xx, 429, dropped connection, short body). restart=True: the
     partial file is useless (the server will not resume it, or it is complete but invalid)."""
 
     def __init__(self, message, restart=False):
@@ -305,6 +336,52 @@ def cannot_connect(e):
     return None
 
 
+def _retryable(e, url, offline):
+    """e if it can recover (retry it); a DownloadError at once for an unreachable host or a malformed URL."""
+    if isinstance(e, (requests.exceptions.InvalidURL, requests.exceptions.MissingSchema,
+                      requests.exceptions.InvalidSchema)):
+        raise DownloadError(f"{url}: invalid URL ({e})") from None
+    reason = None if isinstance(e, _Retry) else cannot_connect(e)
+    if reason:
+        raise DownloadError(f"{url}: cannot connect ({reason}); without internet, {offline}") from None
+    return e
+
+
+def _wait(url, failures, error):
+    """After `failures` failed attempts in a row: give up at MAX_TRIES, else wait with exponential backoff."""
+    if failures >= MAX_TRIES:
+        raise DownloadError(f"{url}: giving up after {failures} failed attempts in a row (last: {error})")
+    delay = min(BACKOFF * 2 ** (failures - 1), 60)
+    tqdm.write(f"{url}: {error}; retrying in {delay:g}s", file=sys.stderr)
+    time.sleep(delay)
+
+
+def _refused(r):
+    """The one line for an answer that retrying cannot change (4xx but 429)."""
+    return DownloadError(f"{r.url}: HTTP {r.status_code} {' '.join(r.text.split())[:200]}", r.status_code)
+
+
+def get_json(url, params=None, offline="copy the data from a machine with internet"):
+    """GET url?params as JSON, retried like a download (429, 5xx, timeouts, cut connections); a 4xx, an
+    unreachable host or an answer that is not JSON fails at once. offline: what to do without internet."""
+    failures = 0
+    while True:
+        try:
+            r = requests.get(url, params=params, timeout=TIMEOUT)
+            if r.status_code == 429 or r.status_code >= 500:
+                raise _Retry(f"HTTP {r.status_code} {' '.join(r.text.split())[:200]}")
+            if r.status_code != 200:
+                raise _refused(r)
+            try:
+                return r.json()
+            except ValueError:
+                raise DownloadError(f"{r.url}: the response is not JSON") from None
+        except (_Retry, requests.RequestException) as e:
+            error = _retryable(e, url, offline)
+        failures += 1
+        _wait(url, failures, error)
+
+
 def _attempt(url, part, have, bar, counted, stop):
     """One HTTP request: append to `part` from byte `have`, or rewrite it when the server ignores
     the Range header. Returns the file size the server announced (None if it did not say)."""
@@ -332,7 +409,7 @@ def _attempt(url, part, have, bar, counted, stop):
             total, mode = (int(length) if length.isdigit() else None), "wb"
             bar.update(-have)
         else:
-            raise DownloadError(f"{url}: HTTP {r.status_code} {r.reason}")
+            raise _refused(r)
         if total is not None and not counted[0]:
             bar.grow(total)
             counted[0] = True
@@ -345,11 +422,11 @@ def _attempt(url, part, have, bar, counted, stop):
     return total
 
 
-def download_file(url, dest, bar=None, stop=None, *, check, offline_copy=None):
+def download_file(url, dest, bar=None, stop=None, *, check, offline=None):
     """Download url to dest through dest + '.part', resuming with HTTP Range requests and retrying
     with exponential backoff. dest appears only once the size the server announced and check(path)
     pass; check raises ValueError('not a valid ...') for an incomplete or foreign file. A host that
-    cannot be reached at all fails at once, saying to copy `offline_copy` (default: dest) instead."""
+    cannot be reached at all fails at once, saying what to do offline (default: copy dest)."""
     part = dest + ".part"
     bar = bar or ByteBar(disable=True)
     counted = [False]  # whether this file's size is in the bar's total yet
@@ -376,21 +453,11 @@ def download_file(url, dest, bar=None, stop=None, *, check, offline_copy=None):
                 raise _Retry(f"downloaded file is {e}", restart=True) from None
             os.replace(part, dest)
             return
-        except (requests.exceptions.InvalidURL, requests.exceptions.MissingSchema,
-                requests.exceptions.InvalidSchema) as e:
-            raise DownloadError(f"{url}: invalid URL ({e})") from None
         except (_Retry, requests.RequestException) as e:  # timeouts, dropped connections, 5xx
-            reason = cannot_connect(e)
-            if reason:
-                raise DownloadError(f"{url}: cannot connect ({reason}); without internet, copy "
-                                    f"{offline_copy or dest} from a machine with internet") from None
-            error = e
+            error = _retryable(e, url, offline or f"copy {dest} from a machine with internet")
         restart = getattr(error, "restart", False)
         failures = 1 if size() > have and not restart else failures + 1
         if restart and os.path.exists(part):
             bar.update(-size())
             os.remove(part)
-        if failures >= MAX_TRIES:
-            raise DownloadError(f"{url}: giving up after {failures} failed attempts in a row "
-                                f"(last: {error})")
-        time.sleep(min(BACKOFF * 2 ** (failures - 1), 60))
+        _wait(url, failures, error)

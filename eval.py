@@ -17,18 +17,16 @@ import random
 import re
 import sys
 import time
-from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
-import requests
 import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from data import atomic_write, cannot_connect, load_encoding
-from model import load_model
+from checkpoint import Runtime, load_model
+from data import DownloadError, atomic_write, get_json, load_encoding, read_jsonl
 
 # -----------------------------------------------------------------------------
 # The tasks: one small function per task turns a dataset row into (question, choices, gold)
@@ -198,7 +196,7 @@ def loglikelihoods(model, pairs, batch_size=32, dtype=torch.float32, desc=None):
     # batch shapes, and must never break a tie between two identical choices differently
     reqs = list(index)
     order = sorted(range(len(reqs)), key=lambda i: -len(reqs[i][0]))
-    amp = torch.autocast(device.type, dtype=dtype) if dtype != torch.float32 else nullcontext()
+    amp = Runtime(str(device), dtype).autocast()
     lls = [0.0] * len(reqs)
     with tqdm(total=len(reqs), desc=desc, unit="req", disable=desc is None) as bar:
         for s in range(0, len(order), batch_size):
@@ -267,48 +265,22 @@ def evaluate_task(task, docs, pool, enc, model, shots=5, batch_size=32, dtype=to
 
 BASE_URL = "https://datasets-server.huggingface.co"
 PAGE = 100  # rows per request: the API's maximum
-RETRIES = 6  # retries per page on 429, 5xx, timeouts and dropped connections (not on unreachable hosts)
-RETRY_DELAY = 2.0  # seconds before the first retry, doubled after each (tests set it to ~0)
-TIMEOUT = 60  # seconds per request
+OFFLINE = "copy {} from a machine where eval.py ran once (docs/REFERENCE.md, Evaluation: Data, and running offline)"
 
 
-def get_json(url, params):
-    """GET url?params as JSON, retrying with exponential backoff on 429, 5xx, timeouts and cut connections;
-    a host that cannot be reached at all fails at once."""
-    for attempt in range(RETRIES + 1):
-        try:
-            r = requests.get(url, params=params, timeout=TIMEOUT)
-        except (requests.ConnectionError, requests.Timeout, requests.exceptions.ChunkedEncodingError) as e:
-            reason = cannot_connect(e)
-            if reason:
-                raise ConnectionError(f"{url}: cannot connect ({reason})") from None
-            why = type(e).__name__
-        else:
-            if r.status_code == 200:
-                try:
-                    return r.json()
-                except ValueError:
-                    raise ValueError(f"{r.url}: the response is not JSON") from None
-            text = " ".join(r.text.split())[:200]
-            if r.status_code != 429 and r.status_code < 500:  # our request is wrong: retrying won't help
-                raise ValueError(f"{r.url}: HTTP {r.status_code} {text} "
-                                 f"(GET {url.rsplit('/', 1)[0]}/splits?dataset={params['dataset']} lists the configs)")
-            why = f"HTTP {r.status_code} {text}"
-        if attempt == RETRIES:
-            raise ConnectionError(f"{url} {params}: giving up after {RETRIES + 1} tries ({why})")
-        delay = RETRY_DELAY * 2 ** attempt
-        print(f"{url} offset={params['offset']}: {why}; retrying in {delay:g}s", file=sys.stderr)
-        time.sleep(delay)
-
-
-def download_split(base_url, repo, config, split, expected_rows, desc=None):
-    """All rows of one split, in order, from the dataset-viewer API's paged /rows endpoint."""
+def download_split(base_url, repo, config, split, expected_rows, desc=None, offline=OFFLINE.format("data/eval")):
+    """All rows of one split, in order, from the dataset-viewer API's paged /rows endpoint (data.get_json)."""
     url = base_url.rstrip("/") + "/rows"
     rows = []
     with tqdm(total=expected_rows, desc=desc, unit="row", disable=desc is None) as bar:
         while len(rows) < expected_rows:
             params = dict(dataset=repo, config=config, split=split, offset=len(rows), length=PAGE)
-            page = get_json(url, params)
+            try:
+                page = get_json(url, params, offline)
+            except DownloadError as e:
+                if e.status is None:
+                    raise
+                raise ValueError(f"{e} (GET {base_url.rstrip('/')}/splits?dataset={repo} lists the configs)") from None
             where = f"{url}?dataset={repo}&config={config}&split={split}&offset={len(rows)}"
             if not isinstance(page, dict) or not isinstance(page.get("rows"), list) or "num_rows_total" not in page:
                 raise ValueError(f"{where}: expected a JSON object with 'rows' and 'num_rows_total'")
@@ -335,22 +307,12 @@ def write_jsonl(path, rows):
         f.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
 
 
-def read_jsonl(path, fields):
+def read_rows(path, fields):
     """Rows of a cached (or user-supplied) JSON-lines file, checked to carry `fields`."""
-    rows = []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except ValueError as e:
-                raise ValueError(f"{path}:{n}: not valid JSON ({e})") from None
-            missing = [k for k in fields if not isinstance(row, dict) or k not in row]
-            if missing:
-                raise ValueError(f"{path}:{n}: missing key(s) {', '.join(missing)}; "
-                                 f"expected a row with {', '.join(fields)}")
-            rows.append(row)
+    def check(row):
+        missing = [k for k in fields if not isinstance(row, dict) or k not in row]
+        return f"missing key(s) {', '.join(missing)}; expected a row with {', '.join(fields)}" if missing else None
+    rows = list(read_jsonl(path, check))
     if not rows:
         raise ValueError(f"{path}: no rows")
     return rows
@@ -363,14 +325,10 @@ def load_split(task, which, data_dir="data/eval", base_url=BASE_URL, progress=Tr
     split, expected = (t.split, t.rows) if which == "eval" else (t.pool_split, t.pool_rows)
     path = os.path.join(data_dir, task, f"{split}.jsonl")
     if not os.path.exists(path):
-        try:
-            rows = download_split(base_url, t.repo, t.config, split, expected,
-                                  f"{task}/{split}" if progress else None)
-        except ConnectionError as e:
-            raise ConnectionError(f"{e}; without internet, copy {data_dir} from a machine where eval.py ran "
-                                  f"once (docs/REFERENCE.md, Evaluation: Data, and running offline)") from None
+        rows = download_split(base_url, t.repo, t.config, split, expected, f"{task}/{split}" if progress else None,
+                              OFFLINE.format(data_dir))
         write_jsonl(path, rows)
-    rows = read_jsonl(path, t.fields)
+    rows = read_rows(path, t.fields)
     if len(rows) != expected:
         print(f"note: {path} has {len(rows)} rows, the harness's split has {expected}: "
               f"scores are not comparable with published ones", file=sys.stderr)
@@ -425,12 +383,11 @@ def print_table(results, average):
 
 def main(argv=None):
     args = parse_args(argv)
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = getattr(torch, args.dtype or ("bfloat16" if device.startswith("cuda") else "float32"))
+    runtime = Runtime.pick(args.device, args.dtype)
     # cheap checks first: tokenizer, checkpoint, anchor option; then the data of every task; then scoring
     try:
         enc = load_encoding(args.tokenizer)
-        model, _ = load_model(args.ckpt, device=device)
+        model, _ = load_model(args.ckpt, device=runtime.device)
         if args.out:  # fail now rather than after the whole evaluation
             os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
             if not os.access(os.path.dirname(args.out) or ".", os.W_OK):
@@ -447,12 +404,12 @@ def main(argv=None):
     try:
         data = {t: (load_split(t, "eval", args.data_dir, args.base_url)[:args.limit],
                     load_split(t, "pool", args.data_dir, args.base_url)) for t in args.tasks}
-    except (ValueError, ConnectionError, OSError) as e:
+    except (ValueError, DownloadError, OSError) as e:
         raise SystemExit(f"eval.py: error: {e}")
 
     results, n_req, t0 = {}, 0, time.time()
     for task, (docs, pool) in data.items():
-        results[task], n = evaluate_task(task, docs, pool, enc, model, args.shots, args.batch_size, dtype)
+        results[task], n = evaluate_task(task, docs, pool, enc, model, args.shots, args.batch_size, runtime.dtype)
         n_req += n
         print(f"{task}: " + ", ".join(f"{k} {v:.4f}" for k, v in results[task].items()
                                       if k in ("acc", "acc_norm")) + f" (n={len(docs)})")
@@ -464,7 +421,8 @@ def main(argv=None):
         out = {"checkpoint": args.ckpt, "tasks": results, "average": average,
                "average_of": {t: summary_metric(t) for t in results},
                "shots": args.shots, "limit": args.limit, "drop_anchor": args.drop_anchor,
-               "block_size": model.config.block_size, "device": device, "dtype": str(dtype).removeprefix("torch."),
+               "block_size": model.config.block_size, "device": runtime.device,
+               "dtype": str(runtime.dtype).removeprefix("torch."),
                "requests": n_req, "seconds": elapsed}
         with atomic_write(args.out, "w") as f:
             f.write(json.dumps(out, indent=2) + "\n")

@@ -8,8 +8,6 @@ or tokenise your own text (.txt, .jsonl, .jsonl.gz) into the same format:
 """
 import argparse
 import glob
-import gzip
-import json
 import multiprocessing
 import os
 import shutil
@@ -21,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 import numpy as np
 from tqdm import tqdm
 
-from data import ByteBar, DownloadError, download_file, load_encoding, read_header, write_shard
+from data import ByteBar, DownloadError, download_file, load_encoding, read_header, read_jsonl, write_shard
 
 BASE_URL = "https://huggingface.co/datasets/kjj0/finewebedu10B-gpt2/resolve/main"
 NUM_TRAIN_SHARDS = 99
@@ -67,7 +65,7 @@ def download_shards(data_dir, train_shards=NUM_TRAIN_SHARDS, workers=4, base_url
         with ThreadPoolExecutor(workers) as pool:
             jobs = [pool.submit(download_file, f"{base_url.rstrip('/')}/{name}",
                                 os.path.join(data_dir, name), bar, stop, check=valid_shard,
-                                offline_copy=f"the shards into {data_dir}") for name in todo]
+                                offline=f"copy the shards into {data_dir} from a machine with internet") for name in todo]
             try:
                 for job in as_completed(jobs):
                     job.result()
@@ -119,18 +117,10 @@ def read_documents(paths):
                 n = 1
                 yield text
                 continue
-            with (gzip.open if p.endswith(".gz") else open)(p, "rt", encoding="utf-8") as f:
-                for lineno, line in enumerate(f, 1):
-                    if not line.strip():
-                        continue
-                    try:
-                        doc = json.loads(line)
-                    except json.JSONDecodeError as e:
-                        raise ValueError(f"{p}:{lineno}: not valid JSON ({e.msg})") from None
-                    if not isinstance(doc, dict) or not isinstance(doc.get("text"), str):
-                        raise ValueError(f"{p}:{lineno}: expected a JSON object with a \"text\" string")
-                    n += 1
-                    yield doc["text"]
+            for doc in read_jsonl(p, check=lambda d: None if isinstance(d, dict) and isinstance(d.get("text"), str)
+                                  else 'expected a JSON object with a "text" string'):
+                n += 1
+                yield doc["text"]
         except UnicodeDecodeError as e:
             raise ValueError(f"{p}: not UTF-8 text ({e.reason} at byte {e.start})") from None
         except (OSError, EOFError) as e:  # gzip.BadGzipFile is an OSError

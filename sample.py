@@ -4,17 +4,17 @@ Sample text from a checkpoint (train.py's, or one convert.py wrote from the auth
     python sample.py out/ckpt.pt --prompt "The theory of relativity" --num_samples 3 --max_new_tokens 200
 
 Each sample is printed whole, prompt included. Without --prompt the model starts a new document
-(<|endoftext|>). Generation uses model.generate with its KV cache; ids the tokenizer cannot decode
+(<|endoftext|>). Generation uses model.py's generate with its KV cache; ids the tokenizer cannot decode
 (the authors' models have 57601 rows for GPT-2's 50257 tokens) are never sampled.
 """
 import argparse
 import time
-from contextlib import nullcontext
 
 import torch
 
+from checkpoint import Runtime, load_model
 from data import load_encoding
-from model import load_model
+from model import generate
 
 
 def parse_args(argv=None):
@@ -28,6 +28,8 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=1, help="the same seed gives the same samples")
     p.add_argument("--tokenizer", default=None, help="local .tiktoken ranks file (default: GPT-2 from tiktoken)")
     p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                   help="autocast dtype of the forward pass (default: bfloat16 on cuda, float32 on cpu)")
     args = p.parse_args(argv)
     for name, low in (("num_samples", 1), ("max_new_tokens", 1), ("top_k", 1)):
         if getattr(args, name) < low:
@@ -39,22 +41,21 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    runtime = Runtime.pick(args.device, args.dtype)
     try:  # cheap checks first: tokenizer, checkpoint
         enc = load_encoding(args.tokenizer)
-        model, ckpt = load_model(args.ckpt, device)
+        model, ckpt = load_model(args.ckpt, runtime.device)
     except (ValueError, OSError) as e:
         raise SystemExit(f"sample.py: error: {e}")
     if enc.n_vocab > model.config.vocab_size:
         raise SystemExit(f"sample.py: error: --tokenizer has {enc.n_vocab} tokens, {args.ckpt} only "
                          f"vocab_size={model.config.vocab_size}")
     ids = enc.encode_ordinary(args.prompt) if args.prompt else [enc.eot_token]
-    idx = torch.tensor([ids] * args.num_samples, device=device)
+    idx = torch.tensor([ids] * args.num_samples, device=runtime.device)
     torch.manual_seed(args.seed)
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.startswith("cuda") else nullcontext()
     t0 = time.time()
-    with autocast:
-        out = model.generate(idx, args.max_new_tokens, args.temperature, args.top_k, vocab=enc.n_vocab)
+    with runtime.autocast():
+        out = generate(model, idx, args.max_new_tokens, args.temperature, args.top_k, vocab=enc.n_vocab)
     dt = time.time() - t0
     print(f"{args.ckpt}: {model.config.name}, step {ckpt.get('step')}")
     for i, row in enumerate(out.tolist()):

@@ -12,7 +12,8 @@ import torch
 
 import analyze as an
 from data import write_shard
-from model import EOT, GPT, GPTConfig, load_model
+from checkpoint import load_model
+from model import EOT, GPT, GPTConfig
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TINY = dict(n_layer=2, n_head=2, n_embd=8, block_size=16, vocab_size=64)
@@ -47,7 +48,7 @@ def data_dir(tmp_path):
 
 def stats(q, k):
     sums = an.attention_sums(q, k, an.attention_mask(torch.zeros(q.shape[0], q.shape[2], dtype=torch.long)))
-    return (sums[:-1] / sums[-1]).tolist()  # sink, entropy, top-1, top-2, top-3, top-10
+    return [(sums[k] / sums["queries"]).item() for k in ["sink", "entropy"] + [f"top_{j}" for j in an.TOP_K]]
 
 
 def test_attention_uniform_three_tokens():
@@ -80,9 +81,9 @@ def test_document_masked_attention_sink_is_the_weight_on_the_document_start():
     q = k = torch.zeros(1, 2, 8, 4)  # equal scores: every query spreads its weight evenly over what it sees
     doc = an.attention_sums(q, k, an.attention_mask(idx, doc_mask=True))
     plain = an.attention_sums(q, k, an.attention_mask(idx))
-    assert doc[0] / doc[-1] == pytest.approx(sum(1 / (p + 1) for p in [0, 1, 2, 0, 1, 2, 3, 4]) / 8)
-    assert plain[0] / plain[-1] == pytest.approx(sum(1 / (t + 1) for t in range(8)) / 8)
-    assert doc[1] < plain[1]  # entropy: fewer keys to spread over
+    assert doc["sink"] / doc["queries"] == pytest.approx(sum(1 / (p + 1) for p in [0, 1, 2, 0, 1, 2, 3, 4]) / 8)
+    assert plain["sink"] / plain["queries"] == pytest.approx(sum(1 / (t + 1) for t in range(8)) / 8)
+    assert doc["entropy"] < plain["entropy"]  # entropy: fewer keys to spread over
 
 
 def test_attention_chunks_match_dense_reference(monkeypatch):
@@ -98,17 +99,17 @@ def test_attention_chunks_match_dense_reference(monkeypatch):
 
 def test_gate_sums():
     g = torch.logit(torch.tensor([0.1, 0.5, 0.9, 0.15], dtype=torch.float64))
-    s, closed, n = an.gate_sums(g).tolist()
+    s, closed, n = (v.item() for v in an.gate_sums(g).values())
     assert s / n == pytest.approx(0.4125) and closed / n == 0.5
 
 
 @pytest.mark.parametrize("C", [2, 5])  # T > C and T <= C take different routes
 def test_token_similarity_orthogonal_states(C):
     e = torch.eye(C)
-    s, s2, n = an.token_similarity_sums(torch.stack([e[0], 3 * e[1]])[None]).tolist()
+    s, s2, n = (v.item() for v in an.token_similarity_sums(torch.stack([e[0], 3 * e[1]])[None]).values())
     assert (s, s2, n) == pytest.approx((0, 0, 1))
     # positions e0, 2·e0, e1: pair similarities 1, 0, 0
-    s, s2, n = an.token_similarity_sums(torch.stack([e[0], 2 * e[0], e[1]])[None]).tolist()
+    s, s2, n = (v.item() for v in an.token_similarity_sums(torch.stack([e[0], 2 * e[0], e[1]])[None]).values())
     assert n == 3 and s / n == pytest.approx(1 / 3) and s2 / n - (s / n) ** 2 == pytest.approx(2 / 9)
 
 
@@ -208,7 +209,8 @@ def test_metrics_stay_float32_under_bf16_autocast():
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
             rec.model.blocks[0].attn.inspect(q=q, k=k, g=None, scales=None)
             rec._state_hook(0)(rec.model.wte, (), h)  # what the hook on wte calls
-        sums.append(torch.cat([rec.attn[0], rec.tok_sim[0], rec.sum_xx[0].flatten()]))
+        sums.append(torch.cat([torch.stack(list(rec.attn[0].values())), torch.stack(list(rec.tok_sim[0].values())),
+                               rec.sum_xx[0].flatten()]))
     assert torch.equal(sums[0], sums[1])
 
 

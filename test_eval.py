@@ -14,10 +14,12 @@ import urllib.parse
 from types import SimpleNamespace
 
 import pytest
+import requests
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import data
 import eval as ev
 
 # -----------------------------------------------------------------------------
@@ -417,8 +419,8 @@ class FakeAPI:
 
 @pytest.fixture
 def api(monkeypatch):
-    monkeypatch.setattr(ev, "RETRY_DELAY", 0.001)
-    monkeypatch.setattr(ev, "RETRIES", 3)
+    monkeypatch.setattr(data, "BACKOFF", 0.001)
+    monkeypatch.setattr(data, "MAX_TRIES", 4)
     a = FakeAPI()
     yield a
     a.stop()
@@ -444,7 +446,7 @@ def test_download_pages_retries_and_cache(api, tmp_path, monkeypatch):
     assert sorted(os.listdir(tmp_path / "openbookqa")) == ["test.jsonl", "train.jsonl"]
     # second run: served from the cache, with the server gone and the network forbidden
     api.stop()
-    monkeypatch.setattr(ev.requests, "get", lambda *a, **k: pytest.fail("network used"))
+    monkeypatch.setattr(requests, "get", lambda *a, **k: pytest.fail("network used"))
     assert ev.load_split("openbookqa", "eval", str(tmp_path), api.url) == test_rows
     assert ev.load_split("openbookqa", "pool", str(tmp_path), api.url) == train_rows
 
@@ -482,7 +484,7 @@ def test_download_errors_are_clear(api, tmp_path):
     assert len(api.log) == 1  # a 4xx is not retried
     api.splits[("r", "c", "s")] = obqa_rows(3)
     api.fail = [500] * 4
-    with pytest.raises(ConnectionError, match="giving up after 4 tries \\(HTTP 500"):
+    with pytest.raises(data.DownloadError, match="giving up after 4 failed attempts in a row \\(last: HTTP 500"):
         ev.download_split(api.url, "r", "c", "s", 3)
 
 
@@ -490,8 +492,8 @@ def test_download_errors_are_clear(api, tmp_path):
 def test_unreachable_server_fails_at_once_with_the_offline_hint(where, closed_url, tmp_path, monkeypatch):
     """No connection at all (offline): no retries, no waiting, and the way out."""
     url = closed_url if where == "refused" else "http://nonexistent.invalid"
-    monkeypatch.setattr(ev.time, "sleep", lambda s: pytest.fail(f"slept {s}s before retrying"))
-    with pytest.raises(ConnectionError) as e:
+    monkeypatch.setattr(data.time, "sleep", lambda s: pytest.fail(f"slept {s}s before retrying"))
+    with pytest.raises(data.DownloadError) as e:
         ev.load_split("piqa", "eval", str(tmp_path / "eval"), url, progress=False)
     msg = str(e.value)
     assert msg.startswith(f"{url}/rows: cannot connect (") and "\n" not in msg
@@ -550,7 +552,7 @@ def small_data(data_dir):
 
 def test_cli_end_to_end(tmp_path, enc, enc_file):
     from model import GPT, GPTConfig
-    from model import load_model
+    from checkpoint import load_model
     from train import save_checkpoint
     data_dir = tmp_path / "data"
     small_data(str(data_dir))
@@ -575,8 +577,8 @@ def test_cli_end_to_end(tmp_path, enc, enc_file):
     # the numbers are those of the scoring functions run here on the same checkpoint and data
     m, _ = load_model(str(ckpt))
     for task in ev.TASKS:
-        docs = ev.read_jsonl(data_dir / task / f"{ev.TASKS[task].split}.jsonl", ev.TASKS[task].fields)[:4]
-        pool = ev.read_jsonl(data_dir / task / f"{ev.TASKS[task].pool_split}.jsonl", ev.TASKS[task].fields)
+        docs = ev.read_rows(data_dir / task / f"{ev.TASKS[task].split}.jsonl", ev.TASKS[task].fields)[:4]
+        pool = ev.read_rows(data_dir / task / f"{ev.TASKS[task].pool_split}.jsonl", ev.TASKS[task].fields)
         expected, _ = ev.evaluate_task(task, docs, pool, enc, m, progress=False)
         assert res["tasks"][task] == pytest.approx(expected), task
         assert res["tasks"][task]["n"] == 4

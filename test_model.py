@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from configurator import load_config
-from model import EOT, GPT, GRANULARITY_SHAPES, GPTConfig, document_mask
+from model import EOT, GPT, GRANULARITY_SHAPES, GPTConfig, KVCache, document_mask, flops_per_token, generate
 from train import ALL_DEFAULTS, MODEL_KEYS
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
@@ -293,8 +293,8 @@ def test_flex_attention_path_equals_sdpa_mask_path(name):
     model = randomize(GPT(variant(name, vocab_size=50304))).eval()
     idx = packed(model.config, [3, 11, 17])
     with torch.no_grad():  # FlexAttention has no CPU backward; its forward runs here
-        flex, _ = model(idx, doc_mask=document_mask(idx, flex=True))
-        dense, _ = model(idx, doc_mask=document_mask(idx, flex=False))
+        flex, _ = model(idx, mask=document_mask(idx, flex=True))
+        dense, _ = model(idx, mask=document_mask(idx, flex=False))
     torch.testing.assert_close(flex, dense, rtol=1e-5, atol=1e-5)
     assert torch.equal(dense, model(idx, doc_mask=True)[0])  # True builds the dense mask on CPU
 
@@ -379,8 +379,8 @@ def test_internal_anchor_first_layer_has_no_lambda_and_ignores_mixing(name):
     # layer 1 computes exactly what the same layer computes in the anchor-free model
     plain, _ = twin(model, replace(config, anchor="none", mix="", anchor_norm=False, dynamic=False))
     idx = tokens(config)
-    h0 = model.wte(idx)
-    torch.testing.assert_close(model.blocks[0](h0, None)[0], plain.blocks[0](h0, None)[0])
+    h0, rope = model.wte(idx), (model.rope_cos[:idx.size(1)], model.rope_sin[:idx.size(1)])
+    torch.testing.assert_close(model.blocks[0](h0, rope)[0], plain.blocks[0](h0, rope)[0])
     # ... while the deeper layers do mix: the whole model differs from the anchor-free one
     assert not torch.allclose(model(idx)[0], plain(idx)[0])
 
@@ -406,9 +406,12 @@ def test_anchor_removal_equals_zero_lambda_1(name):
 @pytest.mark.parametrize("name,config", VARIANTS, ids=VARIANT_IDS)
 def test_every_parameter_gets_gradient_after_three_steps(name, config):
     """Zero-init lm_head, then c_proj/fc2, then the dynamic MLP's output layer, each hold back the
-    gradient of what lies behind them for one step; after three steps nothing may still be dead."""
+    gradient of what lies behind them for one step; after three steps nothing may still be dead, but what is
+    frozen (anchor_frozen: anchor_proj), which has no gradient at all."""
     torch.manual_seed(0)
     model = GPT(config)
+    frozen = ["anchor_proj.weight"] if config.anchor_frozen else []
+    assert [n for n, p in model.named_parameters() if not p.requires_grad] == frozen
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     idx = tokens(config)
     seen = {n: False for n, _ in model.named_parameters()}
@@ -419,7 +422,7 @@ def test_every_parameter_gets_gradient_after_three_steps(name, config):
             seen[n] |= bool(p.grad is not None and p.grad.abs().sum() > 0)
         if step < 3:
             opt.step()
-    assert [n for n, ok in seen.items() if not ok] == []
+    assert [n for n, ok in seen.items() if not ok] == frozen
 
 
 @pytest.mark.parametrize("name,config", VARIANTS, ids=VARIANT_IDS)
@@ -510,15 +513,15 @@ def test_state_dict_round_trip(name):
 def test_generate_greedy_follows_argmax():
     model = randomize(GPT(variant("dyn_exo"))).eval()
     prompt = tokens(model.config)[:, :5]
-    out = model.generate(prompt, max_new_tokens=6, temperature=0)
+    out = generate(model, prompt, max_new_tokens=6, temperature=0)
     assert out.shape == (2, 11) and torch.equal(out[:, :5], prompt)
     seq = prompt
     for _ in range(6):
         seq = torch.cat([seq, model(seq)[0][:, -1].argmax(-1, keepdim=True)], dim=1)
     assert torch.equal(out, seq)
     torch.manual_seed(0)  # top_k=1 sampling is greedy too; crops to block_size when the prompt grows
-    assert torch.equal(model.generate(prompt, 6, temperature=0.8, top_k=1), out)
-    long = model.generate(prompt, model.config.block_size, top_k=5)
+    assert torch.equal(generate(model, prompt, 6, temperature=0.8, top_k=1), out)
+    long = generate(model, prompt, model.config.block_size, top_k=5)
     assert long.shape == (2, 5 + model.config.block_size)
 
 
@@ -527,19 +530,19 @@ def test_kv_cache_greedy_equals_greedy_without_cache(name, config):
     model = randomize(GPT(config)).eval()
     prompt = tokens(config)[:, :5]
     n = config.block_size + 4  # past block_size the window slides and the cache starts again
-    assert torch.equal(model.generate(prompt, n, temperature=0), model.generate(prompt, n, temperature=0, use_cache=False))
+    assert torch.equal(generate(model, prompt, n, temperature=0), generate(model, prompt, n, temperature=0, use_cache=False))
 
 
 def test_kv_cache_logits_equal_a_full_forward():
     model = randomize(GPT(variant("dyn_exo"))).eval()
     idx = tokens(model.config)
-    cache = [{} for _ in model.blocks]
+    cache = KVCache(model.config.n_layer)
     with torch.no_grad():
         full = model.features(idx)
         steps = [model.features(idx[:, :8], cache=cache)] + [model.features(idx[:, t:t + 1], cache=cache)
                                                              for t in range(8, idx.size(1))]
     torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=1e-5, atol=1e-5)
-    assert cache[0]["k"].shape == (2, model.config.n_head, idx.size(1), model.config.head_dim)
+    assert len(cache) == idx.size(1) and cache.keys[0].shape == (2, model.config.n_head, idx.size(1), model.config.head_dim)
     with pytest.raises(ValueError, match="block_size"):
         model.features(idx[:, :1], cache=cache)  # full: the caller must start again
 
@@ -547,7 +550,7 @@ def test_kv_cache_logits_equal_a_full_forward():
 def test_generate_samples_only_below_vocab():
     model = randomize(GPT(variant("gated"))).eval()
     torch.manual_seed(0)
-    out = model.generate(tokens(model.config)[:, :3], 40, temperature=2.0, vocab=10)
+    out = generate(model, tokens(model.config)[:, :3], 40, temperature=2.0, vocab=10)
     assert out[:, 3:].max() < 10
 
 
@@ -617,20 +620,20 @@ def test_readme_variant_table_is_true():
 
 
 def test_readme_paper_to_code_table_points_at_its_lines():
-    """Each row of README.md's paper-to-code table names model.py lines that carry its marker (Eq. 9, ...)."""
-    rows = re.findall(r"^\| ([^|]+?) \| [^|]+ \| `model\.py:(\d+)` \|$", open(os.path.join(ROOT, "README.md")).read(),
+    """Each row of README.md's paper-to-code table names a line of a file that carries its marker (Eq. 9, ...)."""
+    rows = re.findall(r"^\| ([^|]+?) \| [^|]+ \| `(\w+\.py):(\d+)` \|$", open(os.path.join(ROOT, "README.md")).read(),
                       flags=re.M)
-    lines = open(os.path.join(ROOT, "model.py")).read().splitlines()
-    assert len(rows) >= 7, rows
-    for marker, n in rows:
+    assert len(rows) >= 12, rows
+    for marker, name, n in rows:
+        lines = open(os.path.join(ROOT, name)).read().splitlines()
         assert marker in lines[int(n) - 1], \
-            f"README.md: the row {marker!r} points at model.py:{n}, which reads {lines[int(n) - 1].strip()!r}"
+            f"README.md: the row {marker!r} points at {name}:{n}, which reads {lines[int(n) - 1].strip()!r}"
 
 
 def test_a_forked_variant_passes_the_generic_tests(tmp_path):
     """A fork that adds a granularity (one line in GRANULARITY_SHAPES) and a config file using it, with a
     training key in it too, runs the generic tests on it and passes them; README.md needs no change."""
-    for name in ("model.py", "configurator.py", "data.py", "train.py", "conftest.py", "pytest.ini",
+    for name in ("model.py", "checkpoint.py", "configurator.py", "data.py", "train.py", "conftest.py", "pytest.ini",
                  "test_model.py", "README.md"):
         shutil.copy(os.path.join(ROOT, name), tmp_path / name)
     shutil.copytree(CONFIG_DIR, tmp_path / "configs")
@@ -657,7 +660,7 @@ def test_flops_per_token_follows_the_matmul_count(name):
     if c.dynamic:
         matmul += L * (16 * C + 16 * 2 * len(c.mix))
     with torch.device("meta"):
-        assert GPT(c).flops_per_token(T) == 6 * matmul + 12 * L * C * T
+        assert flops_per_token(GPT(c), T) == 6 * matmul + 12 * L * C * T
 
 
 @pytest.mark.parametrize("name", ["dyn_exo", "nuresformer_h"])

@@ -18,8 +18,9 @@ from torch.utils.checkpoint import checkpoint
 import model
 import train
 from data import write_shard
-from model import EOT, GPT, GPTConfig, load_checkpoint
-from train import DEFAULTS, Muon, lr_multiplier, muon_momentum, polar_express
+from checkpoint import load_checkpoint
+from model import EOT, GPT, GPTConfig, flops_per_token
+from train import DEFAULTS, Muon, TrainConfig, lr_multiplier, muon_momentum, polar_express
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 VOCAB = 256
@@ -74,7 +75,7 @@ def read_log(out_dir, configs=False):
 
 
 def cfg(**kw):
-    return {**DEFAULTS, **kw}
+    return TrainConfig(**kw)
 
 
 # ----------------------------------------------------------------------------- Muon
@@ -205,7 +206,7 @@ def test_sharded_muon_equals_unsharded(tmp_path):
 def test_every_parameter_in_exactly_one_optimizer_group():
     model = GPT(GPTConfig(n_layer=2, n_embd=32, n_head=2, vocab_size=64, block_size=16, gate=True,
                           anchor="exo", mix="qkvg", granularity="elementwise", anchor_norm=True, dynamic=True))
-    muon, adam = train.configure_optimizers(model, DEFAULTS)
+    muon, adam = train.configure_optimizers(model, TrainConfig())
     names = {id(p): n for n, p in model.named_parameters()}
     muon_names = {names[id(p)] for g in muon.param_groups for p in g["params"]}
     adam_names = {names[id(p)] for g in adam.param_groups for p in g["params"]}
@@ -220,10 +221,10 @@ def test_optimizers_route_by_role_not_by_shape():
     layer it adds inside the network goes to Muon. The start-up line counts what each optimiser holds."""
     model = GPT(GPTConfig(n_layer=2, n_embd=32, n_head=2, vocab_size=64, block_size=16, gate=True,
                           anchor="exo", mix="v", granularity="elementwise"))
-    muon_before = len(train.configure_optimizers(model, DEFAULTS)[0].param_groups[0]["params"])
+    muon_before = len(train.configure_optimizers(model, TrainConfig())[0].param_groups[0]["params"])
     model.blocks[0].attn.register_parameter("lam_table", torch.nn.Parameter(torch.ones(2, 32)))  # 2-D
     model.blocks[1].extra = torch.nn.Linear(32, 32, bias=False)
-    muon, adam = train.configure_optimizers(model, DEFAULTS)
+    muon, adam = train.configure_optimizers(model, TrainConfig())
     in_muon = {id(p) for g in muon.param_groups for p in g["params"]}
     in_adam = {id(p) for g in adam.param_groups for p in g["params"]}
     assert id(model.blocks[0].attn.lam_table) in in_adam and id(model.blocks[0].attn.lam_table) not in in_muon
@@ -405,7 +406,7 @@ def test_checkpoint_with_pickled_callable_is_refused(tmp_path):
     (["--n_layers=3"], "unknown key 'n_layers' (did you mean n_layer?)"),
     (["--max_steps=ten"], "max_steps='ten' is str, expected int"),
     (["--total_batch_size=100"], "total_batch_size=100: expected a multiple of batch_size x block_size"),
-    (["--init_from=latest"], "init_from='latest': expected 'scratch' or 'resume'"),
+    (["--init_from=latest"], "init_from='latest': expected 'scratch', 'resume' or 'auto'"),
     (["--anchor=exo"], "GPTConfig.mix='': anchor='exo'"),
     (["--data_dir=/nonexistent/shards"], "/nonexistent/shards"),
     (["--init_from=resume", "--out_dir=/nonexistent/out"], "/nonexistent/out/ckpt.pt: no checkpoint there"),
@@ -464,7 +465,7 @@ def test_end_to_end_tiny_dyn_exo(data_dir, tmp_path):
     val = [e["val_loss"] for e in log if "val_loss" in e]
     assert [e["step"] for e in log if "val_loss" in e] == [0, 15, 30]
     assert val[-1] < val[0] - 1.0, val
-    assert {"step", "train_loss", "lr", "tok_per_s", "grad_norm", "step_ms"} <= set(log[-1])
+    assert {"step", "train_loss", "muon_lr", "adam_lr", "tok_per_s", "grad_norm", "step_ms"} <= set(log[-1])
     ckpt = load_checkpoint(f"{out}/ckpt.pt")
     assert ckpt["step"] == 30 and ckpt["model_config"]["dynamic"] and ckpt["model_config"]["n_layer"] == 4
     assert ckpt["config"]["max_steps"] == 30
@@ -516,7 +517,7 @@ def test_every_key_has_exactly_one_meaning():
     train.MODEL_KEY_MEANINGS only fills in the fields model.py leaves without a comment."""
     import model
     from configurator import key_comments
-    assert set(key_comments(train.__file__, "DEFAULTS")) == set(DEFAULTS)
+    assert set(key_comments(train.__file__, "TrainConfig")) == set(DEFAULTS)
     in_model = key_comments(model.__file__, "GPTConfig")
     assert not set(in_model) & set(train.MODEL_KEY_MEANINGS), "described twice: drop them from MODEL_KEY_MEANINGS"
     assert set(in_model) | set(train.MODEL_KEY_MEANINGS) | set(DEFAULTS) == set(train.ALL_DEFAULTS)
@@ -536,15 +537,15 @@ def test_bench_prints_time_and_flop_ratios(capsys):
     runs = bench.main(["configs/gated.py", "configs/dyn_exo.py"] + size)
     out = capsys.readouterr().out
     rows = {line.split()[0]: line.split() for line in out.splitlines() if line.startswith(("gated ", "dyn_exo "))}
-    assert set(rows) == {"gated", "dyn_exo"} and all(len(r["times"]) == 2 for r in runs)
+    assert set(rows) == {"gated", "dyn_exo"} and all(len(r.times) == 2 for r in runs)
     assert rows["gated"][-2:] == ["1.0000", "1.0000"]  # the first config is the reference
-    flops = [r["model"].flops_per_token(32) for r in runs]
+    flops = [flops_per_token(r.model, 32) for r in runs]
     assert float(rows["dyn_exo"][-1]) == pytest.approx(flops[1] / flops[0], abs=1e-4) and flops[1] > flops[0]
-    assert rows["dyn_exo"][1] == f"{runs[1]['model'].num_params():,}"
-    assert runs[0]["model"].lm_head.weight.abs().sum() > 0  # the optimisers did step (lm_head starts at 0)
+    assert rows["dyn_exo"][1] == f"{runs[1].model.num_params():,}"
+    assert runs[0].model.lm_head.weight.abs().sum() > 0  # the optimisers did step (lm_head starts at 0)
     runs = bench.main(["configs/gated.py"] + size + ["--optimizer=False"])
     assert "forward+backward:" in capsys.readouterr().out
-    assert runs[0]["model"].lm_head.weight.abs().sum() == 0  # forward + backward only
+    assert runs[0].model.lm_head.weight.abs().sum() == 0  # forward + backward only
 
 
 def test_bench_compare_and_activation_memory(capsys):
@@ -552,20 +553,20 @@ def test_bench_compare_and_activation_memory(capsys):
     size = ["--n_layer=2", "--n_embd=64", "--n_head=2", "--block_size=32", "--batch_size=2", "--steps=1",
             "--rounds=1", "--warmup=0"] + DOCS
     rows = bench.main(["configs/dyn_exo.py"] + size + ["--compare=activation_checkpointing"])
-    assert [(r["name"], r["model"].activation_checkpointing) for r in rows] == \
+    assert [(r.name, r.model.activation_checkpointing) for r in rows] == \
         [("dyn_exo", False), ("dyn_exo+activation_checkpointing", True)]
-    rows = {r["name"]: r for r in bench.main(["configs/gated.py", "configs/dyn_exo.py"] + size +
+    rows = {r.name: r for r in bench.main(["configs/gated.py", "configs/dyn_exo.py"] + size +
                                               ["--memory=True", "--compare=activation_checkpointing"])}
     assert set(rows) == {"gated", "gated+activation_checkpointing", "dyn_exo", "dyn_exo+activation_checkpointing"}
     for name in ("gated", "dyn_exo"):
-        assert rows[name + "+activation_checkpointing"]["per_layer"] < rows[name]["per_layer"] / 2
+        assert rows[name + "+activation_checkpointing"].per_layer < rows[name].per_layer / 2
     # the split is linear in depth: a 4-layer model saves the fixed part plus 4 layers' worth
     x, y = bench.synthetic_batch(1, 32, EOT + 48, 1000, "cpu")
     four = bench.saved_bytes(GPT(GPTConfig(n_layer=4, n_embd=64, n_head=2, block_size=32, vocab_size=EOT + 48,
                                             gate=True)), x, y, contextlib.nullcontext(), True)
-    assert four == rows["gated"]["fixed"] + 4 * rows["gated"]["per_layer"]
+    assert four == rows["gated"].fixed + 4 * rows["gated"].per_layer
     ckpt = rows["gated+activation_checkpointing"]  # its peak: 2 block inputs, and 1 block rebuilt in backward
-    assert ckpt["total"] == ckpt["fixed"] + 2 * ckpt["per_layer"] + rows["gated"]["per_layer"]
+    assert ckpt.total == ckpt.fixed + 2 * ckpt.per_layer + rows["gated"].per_layer
     with pytest.raises(SystemExit, match="--compare=seed: expected a True/False key"):
         bench.main(["configs/gated.py", "--compare=seed"])
 

@@ -4,21 +4,25 @@ Train a model of any variant with the paper's recipe, in one process or under to
     python train.py configs/dyn_exo.py configs/tiny.py                     # CPU: a tiny model, a short run
     python train.py configs/dyn_exo.py                                     # 1 GPU (accumulates to 256K tokens)
     torchrun --nproc_per_node=8 train.py configs/dyn_exo.py                # 8 GPUs, DDP
-    torchrun --nproc_per_node=8 train.py configs/dyn_exo.py --init_from=resume   # continue a run
+    torchrun --nproc_per_node=8 train.py configs/dyn_exo.py --init_from=auto     # starts, or continues, a run
 
 Config files are plain Python assignments (`n_layer = 4`) applied in the order given, a later one
 overriding an earlier one (a variant file, then configs/tiny.py to shrink it), then the --key=value
 overrides; every key must be one of the keys below. With --init_from=resume or --eval_only the model is
 the checkpoint's: model keys may be left out, and any that is given must agree with the checkpoint.
+SIGTERM, SIGINT or SIGUSR1 stop a run after its current step, with a checkpoint, and exit with status 75.
 """
 import contextlib
+import errno
 import json
 import math
 import os
 import random
+import signal
 import sys
 import time
-from dataclasses import asdict, fields
+from dataclasses import asdict, dataclass, fields, replace
+from datetime import timedelta
 
 import numpy as np
 import torch
@@ -26,76 +30,93 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from checkpoint import RESUME, Runtime, load_checkpoint, save_checkpoint, trained_doc_mask, weights_only
 from configurator import help_text, key_comments, read_args, wants_help
-from data import DataLoader, atomic_write, val_batches
-from model import GPT, GPTConfig, load_checkpoint, trained_doc_mask
+from data import DataLoader, atomic_write, read_jsonl, val_batches
+from model import GPT, GPTConfig, flops_per_token
 
-# ----------------------------------------------------------------------------- defaults: the paper's 450M run
-# One key per line, its meaning in the comment: `python train.py --help` prints them (configurator.key_comments).
-# The model fields of GPTConfig are keys too (set them with a configs/ file); their meanings are model.py's.
-DEFAULTS = dict(
+
+# ----------------------------------------------------------------------------- the keys: the paper's 450M run
+@dataclass(frozen=True)
+class TrainConfig:
+    """train.py's keys, one per line, its meaning in the comment (`python train.py --help` prints them). The model
+    keys are GPTConfig's fields (set them with a configs/ file); their meanings are model.py's."""
     # I/O
-    data_dir="data/finewebedu10B",  # shards from prepare.py (*_train_*.bin, *_val_*.bin)
-    out_dir="out",  # ckpt.pt and log.jsonl
-    init_from="scratch",  # 'scratch' or 'resume' (continue from <out_dir>/ckpt.pt)
-    eval_only=False,  # evaluate <out_dir>/ckpt.pt on the whole validation shard and exit
-    log_interval=10,  # steps between log lines
-    eval_interval=500,  # steps between validation losses
-    eval_tokens=10_485_760,  # validation tokens per evaluation during training
-    ckpt_interval=1000,  # steps between checkpoints (one is also written at the end)
-    wandb_log=False,  # also log to Weights & Biases (needs wandb installed)
-    wandb_project="exoformer",  # W&B project
-    wandb_run_name="run",  # W&B run name
+    data_dir: str = "data/finewebedu10B"  # shards from prepare.py (*_train_*.bin, *_val_*.bin)
+    out_dir: str = "out"  # ckpt.pt and log.jsonl
+    init_from: str = "scratch"  # 'scratch', 'resume' (continue from <out_dir>/ckpt.pt) or 'auto' (resume if it exists)
+    eval_only: bool = False  # evaluate <out_dir>/ckpt.pt on the whole validation shard and exit
+    log_interval: int = 10  # steps between log lines
+    eval_interval: int = 500  # steps between validation losses
+    eval_tokens: int = 10_485_760  # validation tokens per evaluation during training
+    ckpt_interval: int = 1000  # steps between checkpoints of <out_dir>/ckpt.pt (one is also written at the end)
+    keep_every: int = 0  # also keep a weights-only <out_dir>/ckpt_<step>.pt every this many steps (0: none)
+    wandb_log: bool = False  # also log to Weights & Biases (needs wandb installed)
+    wandb_project: str = "exoformer"  # W&B project
+    wandb_run_name: str = "run"  # W&B run name
     # batch: 262,144 tokens per step = 8 GPUs x 2 micro-steps x 8 sequences x 2048 tokens (the paper: 16 x 1).
     # 16 sequences of any paper variant keep 64-69 GiB of activations for backward (114 GiB at 1B; bench.py
     # --memory=True): 8 keep at most 35 (57), which fits 80 GB GPUs; gradient accumulation keeps the step.
-    batch_size=8,  # sequences per process per micro-step
-    block_size=2048,  # sequence length (also the model's longest context)
-    total_batch_size=262_144,  # tokens per optimiser step, reached by gradient accumulation
-    max_steps=38_147,  # optimiser steps: 10B tokens at 262,144 tokens per step
-    # optimisers
-    muon_lr=0.01,  # peak learning rate of Muon (the weights of the linear layers inside the network)
-    muon_momentum=0.95,  # reached after muon_momentum_steps, left again over the last ones
-    muon_momentum_min=0.85,  # Muon momentum at the first and the last step
-    muon_momentum_steps=100,  # steps of each momentum ramp
-    muon_beta2=0.95,  # NorMuon second-moment decay
-    muon_weight_decay=0.1,  # cautious weight decay, Muon only
-    adam_lr=0.003,  # peak learning rate of AdamW (embedding, lm_head, norms, biases, λ, the rest)
-    adam_beta1=0.9,  # AdamW beta1
-    adam_beta2=0.95,  # AdamW beta2
-    adam_weight_decay=0.0,  # AdamW weight decay
-    warmup_steps=1000,  # linear learning-rate warmup steps
-    cooldown_frac=0.2,  # fraction of the run at the end over which the learning rates decay linearly
-    final_lr_frac=0.1,  # learning rates at the end of the decay, as a fraction of the peak
-    grad_clip=1.0,  # global gradient-norm clip
-    z_loss=1e-5,  # weight of mean(logsumexp(logits)²) in the loss
-    activation_checkpointing=False,  # recompute each block in the backward pass: 8-12 MiB per layer, ~25% slower steps
-    doc_mask=True,  # attention stays inside each document of a window (each <|endoftext|> opens one), as the authors trained
+    batch_size: int = 8  # sequences per process per micro-step (their length: the model's block_size)
+    total_batch_size: int = 262_144  # tokens per optimiser step, reached by gradient accumulation
+    max_steps: int = 38_147  # optimiser steps: 10B tokens at 262,144 tokens per step
+    # optimisers: the learning rates, momenta, betas and decays of the authors' train.py
+    muon_lr: float = 0.01  # peak learning rate of Muon (the weights of the linear layers inside the network)
+    muon_momentum: float = 0.95  # reached after muon_momentum_steps, left again over the last ones
+    muon_momentum_min: float = 0.85  # Muon momentum at the first and the last step
+    muon_momentum_steps: int = 100  # steps of each momentum ramp
+    muon_beta2: float = 0.95  # NorMuon second-moment decay
+    muon_weight_decay: float = 0.1  # cautious weight decay, Muon only: p -= lr * wd * p where update * p >= 0
+    adam_lr: float = 0.003  # peak learning rate of AdamW (embedding, lm_head, norms, biases, λ, the rest)
+    adam_beta1: float = 0.9  # AdamW beta1
+    adam_beta2: float = 0.95  # AdamW beta2
+    adam_weight_decay: float = 0.0  # AdamW weight decay
+    warmup_steps: int = 1000  # linear learning-rate warmup steps
+    cooldown_frac: float = 0.2  # fraction of the run at the end over which the learning rates decay linearly
+    final_lr_frac: float = 0.1  # learning rates at the end of the decay, as a fraction of the peak
+    grad_clip: float = 1.0  # global gradient-norm clip
+    z_loss: float = 1e-5  # weight of mean(logsumexp(logits)²) in the loss
+    activation_checkpointing: bool = False  # recompute each block in the backward pass: 8-12 MiB per layer, ~25% slower steps
+    doc_mask: bool = True  # attention stays inside each document of a window (each <|endoftext|> opens one), as the authors trained
     # system
-    device=None,  # None: cuda if available, else cpu
-    dtype=None,  # None: bfloat16 autocast on cuda (fp32 master weights), float32 on cpu
-    compile=None,  # None: torch.compile on cuda only
-    gpu_peak_flops=989e12,  # dense bf16 peak of one GPU (H100/H200), for MFU
-    seed=42,  # seed of torch, numpy and random
-)
+    device: str = None  # None: cuda if available, else cpu
+    dtype: str = None  # None: bfloat16 autocast on cuda (fp32 master weights), float32 on cpu
+    compile: bool = None  # None: torch.compile on cuda only
+    dist_timeout: int = 900  # seconds a collective may wait for the other processes (a dead or hung rank, a slow checkpoint write)
+    gpu_peak_flops: float = 989e12  # dense bf16 peak of one GPU (H100/H200), for MFU
+    seed: int = 42  # seed of torch, numpy and random
+
+
+DEFAULTS = asdict(TrainConfig())
 MODEL_KEYS = [f.name for f in fields(GPTConfig)]
-ALL_DEFAULTS = {**DEFAULTS, **{f.name: f.default for f in fields(GPTConfig)}}  # block_size is in both
+ALL_DEFAULTS = {**DEFAULTS, **{f.name: f.default for f in fields(GPTConfig)}}
 # Meanings of the GPTConfig fields that model.py's GPTConfig has no comment for (a test checks that every key
 # has exactly one meaning: when model.py gains a comment for one of these, its entry here goes)
-MODEL_KEY_MEANINGS = dict(n_layer="transformer blocks (L)", n_head="attention heads (H); n_embd/H must be even",
-                          n_embd="model width (C)", rope_theta="RoPE base")
+MODEL_KEY_MEANINGS = dict(block_size="sequence length: the model's longest context, and the training windows'",
+                          n_layer="transformer blocks (L)", n_head="attention heads (H); n_embd/H must be even",
+                          n_embd="model width (C)")
+POSITIVE = ("max_steps", "batch_size", "total_batch_size", "log_interval", "eval_interval", "ckpt_interval",
+            "warmup_steps", "muon_momentum_steps", "dist_timeout")
 
 
 def help_sections():
     """(title, defaults, meanings) of train.py's keys and of the model keys, for configurator.help_text."""
     model_file = sys.modules[GPTConfig.__module__].__file__
     model_defaults = {k: v for k, v in ALL_DEFAULTS.items() if k not in DEFAULTS}
-    return [("training keys", DEFAULTS, key_comments(__file__, "DEFAULTS")),
+    return [("training keys", DEFAULTS, key_comments(__file__, "TrainConfig")),
             ("model keys (GPTConfig; the configs/ files set them)", model_defaults,
              {**key_comments(model_file, "GPTConfig"), **MODEL_KEY_MEANINGS})]
 
 
-# Polar Express coefficients (a, b, c) of the 5 iterations (Amsel et al., 2025, as the authors use them)
+def split_config(flat):
+    """(TrainConfig, GPTConfig) of a flat {key: value} of both (what files and overrides set, logs record)."""
+    return TrainConfig(**{k: v for k, v in flat.items() if k in DEFAULTS}), \
+        GPTConfig(**{k: v for k, v in flat.items() if k in MODEL_KEYS})
+
+
+# ----------------------------------------------------------------------------- Muon
+
+# Polar Express coefficients (a, b, c) of the 5 iterations (Amsel et al., 2025, as the authors' train.py uses them)
 POLAR_EXPRESS = [
     (8.156554524902461, -22.48329292557795, 15.878769915207462),
     (4.042929935166739, -2.808917465908714, 0.5000178451051316),
@@ -103,9 +124,10 @@ POLAR_EXPRESS = [
     (3.285753657755655, -2.3681294933425376, 0.46449024233003106),
     (2.3465413258596377, -1.7097828382687081, 0.42323551169305323),
 ]
+POLAR_SAFETY = 1.02  # the Frobenius norm over-estimates the spectral norm less than 2%: Polar Express's margin
+POLAR_EPS = 1e-6  # and its guard against a zero matrix (both: Amsel et al., 2025, and the authors' train.py)
+NORMUON_EPS = 1e-10  # ours: a row (or column) whose update is all zero is divided by this, not by 0
 
-
-# ----------------------------------------------------------------------------- Muon
 
 def polar_express(G):
     """Orthogonalise a stack of matrices (..., rows, cols) in bf16: U V^T of their SVD, approximately."""
@@ -113,7 +135,7 @@ def polar_express(G):
     tall = X.size(-2) > X.size(-1)
     if tall:  # iterate on the smaller Gram matrix
         X = X.mT
-    X = X / (X.norm(dim=(-2, -1), keepdim=True) * 1.02 + 1e-6)
+    X = X / (X.norm(dim=(-2, -1), keepdim=True) * POLAR_SAFETY + POLAR_EPS)
     for a, b, c in POLAR_EXPRESS:
         A = X @ X.mT
         X = a * X + (b * A + c * A @ A) @ X
@@ -124,7 +146,8 @@ class Muon(torch.optim.Optimizer):
     """Muon for the weight matrices: Nesterov momentum (EMA form), Polar Express, NorMuon second
     moment, shape scaling, cautious weight decay. Under DDP each rank orthogonalises only its share of
     every group of same-shaped matrices and all-gathers the results; the cheap elementwise work runs on
-    every rank, so parameters and optimiser state stay identical everywhere (and checkpointable from rank 0)."""
+    every rank, so parameters and optimiser state stay identical everywhere (and checkpointable from rank 0).
+    The weight decay is lr · wd, as in the authors' train.py (modded-nanogpt scales its own by lr² instead)."""
 
     def __init__(self, params, lr, momentum, beta2, weight_decay, rank=0, world_size=1):
         super().__init__(params, dict(lr=lr, momentum=momentum, beta2=beta2, weight_decay=weight_decay))
@@ -166,8 +189,8 @@ class Muon(torch.optim.Optimizer):
                 u = u.float()
                 v = self.state[p]["second_moment"]
                 v.lerp_(u.square().mean(dim=-1 if v.size(1) == 1 else -2, keepdim=True), 1 - group["beta2"])
-                normed = u * v.clamp_min(1e-10).rsqrt()
-                normed *= u.norm() / normed.norm().clamp_min(1e-10)  # keep the orthogonalised update's norm
+                normed = u * v.clamp_min(NORMUON_EPS).rsqrt()
+                normed *= u.norm() / normed.norm().clamp_min(NORMUON_EPS)  # keep the orthogonalised update's norm
                 normed *= max(1.0, p.size(0) / p.size(1)) ** 0.5
                 # cautious weight decay: only where the update already moves the weight towards zero
                 p.sub_(lr * wd * (normed * p >= 0) * p)
@@ -175,75 +198,254 @@ class Muon(torch.optim.Optimizer):
 
 
 def muon_params(model):
-    """The weights of the nn.Linear layers inside the network: every one but lm_head's."""
+    """The trained weights of the nn.Linear layers inside the network: every one but lm_head's."""
     linear = {id(m.weight) for m in model.modules() if isinstance(m, nn.Linear) and m is not model.lm_head}
-    return [p for p in model.parameters() if id(p) in linear]  # parameters() lists a shared tensor once
+    return [p for p in model.parameters() if id(p) in linear and p.requires_grad]  # a shared tensor is listed once
 
 
 def configure_optimizers(model, cfg, rank=0, world_size=1):
     """Muon for the weights of the nn.Linear layers inside the network (blocks, anchor_proj, dynamic MLPs):
     maps from one hidden vector to another, which is what Muon's orthogonalised update suits. AdamW for
     everything else: the embedding, lm_head (its output is the vocabulary, not a hidden vector), norm
-    weights, biases, λ, and any parameter a fork adds outside nn.Linear, whatever its shape."""
+    weights, biases, λ, and any parameter a fork adds outside nn.Linear, whatever its shape. A frozen
+    parameter (requires_grad=False: anchor_frozen) is in neither."""
     muon = muon_params(model)
-    adam = [p for p in model.parameters() if id(p) not in set(map(id, muon))]
+    adam = [p for p in model.parameters() if id(p) not in set(map(id, muon)) and p.requires_grad]
     fused = {"fused": True} if next(model.parameters()).is_cuda else {}
-    return [Muon(muon, cfg["muon_lr"], cfg["muon_momentum"], cfg["muon_beta2"], cfg["muon_weight_decay"],
-                 rank, world_size),
-            torch.optim.AdamW(adam, lr=cfg["adam_lr"], betas=(cfg["adam_beta1"], cfg["adam_beta2"]),
-                              weight_decay=cfg["adam_weight_decay"], **fused)]
+    return [Muon(muon, cfg.muon_lr, cfg.muon_momentum, cfg.muon_beta2, cfg.muon_weight_decay, rank, world_size),
+            torch.optim.AdamW(adam, lr=cfg.adam_lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
+                              weight_decay=cfg.adam_weight_decay, **fused)]
 
 
-def describe_optimizers(optimizers):
-    """One line: how many tensors and parameters each optimiser updates."""
+def describe_optimizers(optimizers, model=None):
+    """One line: how many tensors and parameters each optimiser updates, and which ones none does (frozen)."""
     def count(opt):
         params = [p for g in opt.param_groups for p in g["params"]]
         return f"{type(opt).__name__} {len(params)} tensors ({sum(p.numel() for p in params):,} parameters)"
-    return "optimisers: " + ", ".join(count(opt) for opt in optimizers)
+    frozen = [(n, p.numel()) for n, p in model.named_parameters() if not p.requires_grad] if model else []
+    return "optimisers: " + ", ".join(count(opt) for opt in optimizers) + "".join(
+        f"; frozen at its random initialisation (no gradient, in no optimiser): {n} ({k:,} parameters)"
+        for n, k in frozen)
 
 
-def optimizer_step(model, optimizers, cfg):
+def lr_multiplier(step, cfg):
+    """Linear warmup, constant, then linear decay over the last cooldown_frac of the run to final_lr_frac."""
+    if step < cfg.warmup_steps:
+        return (step + 1) / cfg.warmup_steps
+    decay_start = cfg.max_steps * (1 - cfg.cooldown_frac)
+    if step < decay_start:
+        return 1.0
+    progress = (step - decay_start) / (cfg.max_steps - decay_start)
+    return 1.0 - (1.0 - cfg.final_lr_frac) * progress
+
+
+def muon_momentum(step, cfg):
+    """muon_momentum_min -> muon_momentum over the first muon_momentum_steps, and back over the last."""
+    ramp = min(1.0, step / cfg.muon_momentum_steps, (cfg.max_steps - step) / cfg.muon_momentum_steps)
+    return cfg.muon_momentum_min + (cfg.muon_momentum - cfg.muon_momentum_min) * ramp
+
+
+def set_schedule(optimizers, step, cfg):
+    """Both optimisers' learning rates (one multiplier) and Muon's momentum for this step: {muon_lr, adam_lr}."""
+    muon, adam = optimizers
+    mult = lr_multiplier(step, cfg)
+    for g in muon.param_groups:
+        g["lr"], g["momentum"] = cfg.muon_lr * mult, muon_momentum(step, cfg)
+    for g in adam.param_groups:
+        g["lr"] = cfg.adam_lr * mult
+    return {"muon_lr": cfg.muon_lr * mult, "adam_lr": cfg.adam_lr * mult}
+
+
+def optimizer_step(model, optimizers, grad_clip):
     """Clip the global gradient norm, step both optimisers, clear the gradients; return the norm."""
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg["grad_clip"])
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
     for opt in optimizers:
         opt.step()
         opt.zero_grad(set_to_none=True)
     return grad_norm.item()
 
 
-def lr_multiplier(step, cfg):
-    """Linear warmup, constant, then linear decay over the last cooldown_frac of the run to final_lr_frac."""
-    if step < cfg["warmup_steps"]:
-        return (step + 1) / cfg["warmup_steps"]
-    decay_start = cfg["max_steps"] * (1 - cfg["cooldown_frac"])
-    if step < decay_start:
-        return 1.0
-    progress = (step - decay_start) / (cfg["max_steps"] - decay_start)
-    return 1.0 - (1.0 - cfg["final_lr_frac"]) * progress
+# ----------------------------------------------------------------------------- where the run runs
+
+@dataclass
+class Env:
+    """This process: its rank among world_size, its device, precision (autocast) and whether it compiles."""
+    rank: int
+    world_size: int
+    runtime: Runtime
+    compile: bool
+
+    @property
+    def device(self):
+        return self.runtime.device
+
+    @property
+    def master(self):
+        return self.rank == 0
+
+    @classmethod
+    def setup(cls, cfg):
+        """Join the process group under torchrun (one GPU per local rank); the device, dtype and compile choice."""
+        rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+        if cfg.dtype not in (None, "float32", "bfloat16"):  # float16 would need a gradient scaler
+            raise ValueError(f"dtype={cfg.dtype!r}: expected 'float32' or 'bfloat16'")
+        runtime = Runtime.pick(cfg.device, cfg.dtype)
+        if runtime.device == "cuda":
+            runtime = replace(runtime, device=f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}")
+        if runtime.device.startswith("cuda"):
+            torch.cuda.set_device(runtime.device)
+        use_compile = runtime.device.startswith("cuda") if cfg.compile is None else cfg.compile
+        if not isinstance(use_compile, bool):
+            raise ValueError(f"compile={cfg.compile!r}: expected True, False or None (auto)")
+        if world_size > 1:
+            cuda = runtime.device.startswith("cuda")
+            dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=cfg.dist_timeout),
+                                    device_id=torch.device(runtime.device) if cuda else None)
+        return cls(rank, world_size, runtime, use_compile)
+
+    def say(self, *args):
+        if self.master:
+            print(*args, flush=True)
+
+    def teardown(self, ddp_model=None):
+        """End the process group. DDP's reducer is freed first, and every rank's gloo/NCCL work finishes, while
+        the group still exists: a group destroyed from the reducer's deallocation at exit can deadlock."""
+        if self.world_size > 1:
+            del ddp_model
+            dist.barrier()
+            dist.destroy_process_group()
 
 
-def muon_momentum(step, cfg):
-    """muon_momentum_min -> muon_momentum over the first muon_momentum_steps, and back over the last."""
-    ramp = min(1.0, step / cfg["muon_momentum_steps"], (cfg["max_steps"] - step) / cfg["muon_momentum_steps"])
-    return cfg["muon_momentum_min"] + (cfg["muon_momentum"] - cfg["muon_momentum_min"]) * ramp
+# ----------------------------------------------------------------------------- phase 1: the input, checked
+
+def check_args(argv):
+    """The configuration that argv gives a new run, checked as train.py checks it before running one process:
+    keys, types, the model and the batch layout; no file is read but the config files. For sweep.py."""
+    cfg, model_config = split_config({**ALL_DEFAULTS, **read_args(argv, ALL_DEFAULTS)})
+    check_config(cfg, model_config, 1)
+    return cfg, model_config
 
 
-def set_schedule(optimizers, step, cfg):
-    muon, adam = optimizers
-    mult = lr_multiplier(step, cfg)
-    for g in muon.param_groups:
-        g["lr"], g["momentum"] = cfg["muon_lr"] * mult, muon_momentum(step, cfg)
-    for g in adam.param_groups:
-        g["lr"] = cfg["adam_lr"] * mult
-    return cfg["muon_lr"] * mult
+def check_config(cfg, model_config, world_size):
+    """The keys' values, one line for the first that is wrong; returns the micro-steps per optimiser step."""
+    if cfg.init_from not in ("scratch", "resume", "auto"):
+        raise ValueError(f"init_from={cfg.init_from!r}: expected 'scratch', 'resume' or 'auto'")
+    for key in POSITIVE:
+        if getattr(cfg, key) < 1:
+            raise ValueError(f"{key}={getattr(cfg, key)}: expected a positive integer")
+    if cfg.keep_every < 0:
+        raise ValueError(f"keep_every={cfg.keep_every}: expected 0 (none) or a positive number of steps")
+    micro = cfg.batch_size * model_config.block_size * world_size
+    if cfg.total_batch_size % micro:
+        raise ValueError(f"total_batch_size={cfg.total_batch_size}: expected a multiple of batch_size x "
+                         f"block_size x processes = {micro}")
+    return cfg.total_batch_size // micro
 
 
-# ----------------------------------------------------------------------------- checkpoints
+def read_resume_checkpoint(cfg, path):
+    """The checkpoint this run starts from (loaded to the CPU: RNG states must stay CPU tensors), or None for a
+    new run. auto: the one in out_dir if there is one; a file there that is not a resumable checkpoint is an
+    error, never overwritten."""
+    if cfg.eval_only:
+        return load_checkpoint(path, ("model", "model_config", "step"))
+    if cfg.init_from == "resume" or (cfg.init_from == "auto" and os.path.exists(path)):
+        try:
+            return load_checkpoint(path, RESUME)
+        except ValueError as e:
+            raise ValueError(f"{e}; a run resumes from train.py's own <out_dir>/ckpt.pt, not a weights-only "
+                             f"copy") from None
+    return None
 
-def save_checkpoint(path, state):
-    """Write atomically: a crash mid-write leaves the previous checkpoint intact."""
-    with atomic_write(path) as f:
-        torch.save(state, f)
+
+def model_config_for(given, ckpt, path):
+    """The model to build. Without a checkpoint: the configured one. With one (resume, eval_only): the
+    checkpoint's (a field it lacks, added to GPTConfig later, takes its default); the model keys that
+    config files or overrides set must agree with it."""
+    if ckpt is None:
+        return GPTConfig(**{k: v for k, v in {**ALL_DEFAULTS, **given}.items() if k in MODEL_KEYS})
+    config = GPTConfig.from_dict(ckpt["model_config"], f"{path}: model_config")
+    saved = asdict(config)
+    conflict = [k for k in MODEL_KEYS if k in given and given[k] != saved[k]]
+    if conflict:
+        show = lambda d: ", ".join(f"{k}={d[k]!r}" for k in conflict)
+        raise ValueError(f"{path}: its model has {show(saved)}, the configuration sets {show(given)} "
+                         f"(leave the model keys out to take the checkpoint's)")
+    return config
+
+
+def configure(argv):
+    """Everything about the input that can be wrong, checked before any work: the keys and their types, the
+    process group, the checkpoint to start from, the model (the checkpoint's, when there is one), the batch
+    layout. Returns (cfg, model_config, env, ckpt or None, micro-steps per step)."""
+    given = read_args(argv, ALL_DEFAULTS)
+    cfg, _ = split_config({**ALL_DEFAULTS, **{k: v for k, v in given.items() if k in DEFAULTS}})
+    env = Env.setup(cfg)
+    path = os.path.join(cfg.out_dir, "ckpt.pt")
+    ckpt = read_resume_checkpoint(cfg, path)
+    model_config = model_config_for(given, ckpt, path)
+    if ckpt is not None and "doc_mask" not in given:  # resume, eval_only: as trained, unless overridden
+        cfg = replace(cfg, doc_mask=trained_doc_mask(ckpt))
+    return cfg, model_config, env, ckpt, check_config(cfg, model_config, env.world_size)
+
+
+# ----------------------------------------------------------------------------- phase 2: the run, built
+
+@dataclass
+class Run:
+    """Everything a training run holds: what it trains, with what, on what data, and how far it got."""
+    cfg: TrainConfig
+    model_config: GPTConfig
+    env: Env
+    accum: int  # micro-steps per optimiser step
+    raw_model: GPT  # what is saved (never the compiled or DDP wrapper)
+    model: nn.Module  # what evaluates: raw_model, compiled or not
+    train_model: nn.Module  # what trains: model, in DDP when there are several processes
+    optimizers: list
+    loader: DataLoader
+    step: int = 0
+    train_loss: float = None  # of the last step
+    pending_log: dict = None  # a stop at an evaluation step: its log entry, evaluated and logged on resume
+
+    @property
+    def ckpt_path(self):
+        return os.path.join(self.cfg.out_dir, "ckpt.pt")
+
+    def flat_config(self):
+        """The whole configuration as one flat dict: what log.jsonl and checkpoints record."""
+        return {**asdict(self.cfg), **asdict(self.model_config)}
+
+
+def build(cfg, model_config, env, accum):
+    """The data readers (every shard checked now, the val shard too), the model (seeded), its optimisers."""
+    T, V, rank, world = model_config.block_size, model_config.vocab_size, env.rank, env.world_size
+    # one window of total_batch_size tokens per step, split into micro-steps: the same tokens whatever the mix
+    # of processes and accumulation (and at shard ends, too)
+    loader = None if cfg.eval_only else DataLoader(cfg.data_dir, accum * cfg.batch_size, T, rank, world, V)
+    next(val_batches(cfg.data_dir, cfg.batch_size, T, cfg.eval_tokens, rank, world, V), None)
+    torch.manual_seed(cfg.seed)
+    random.seed(cfg.seed)
+    np.random.seed(cfg.seed)
+    raw_model = GPT(model_config).to(env.device)
+    raw_model.activation_checkpointing = cfg.activation_checkpointing
+    model = torch.compile(raw_model) if env.compile else raw_model
+    train_model = model
+    if env.world_size > 1:
+        train_model = DDP(model, device_ids=[torch.device(env.device).index] if env.device.startswith("cuda") else None)
+    optimizers = configure_optimizers(raw_model, cfg, rank, world)
+    return Run(cfg, model_config, env, accum, raw_model, model, train_model, optimizers, loader)
+
+
+def restore(run, ckpt):
+    """Continue from a checkpoint: the weights, and for training the optimisers, data position, RNG and step."""
+    run.raw_model.load_state_dict(ckpt["model"])
+    run.step = ckpt["step"]
+    if run.cfg.eval_only:
+        return
+    for opt, state in zip(run.optimizers, ckpt["optimizers"]):
+        opt.load_state_dict(state)
+    run.loader.load_state_dict(ckpt["loader"])
+    set_rng_state(ckpt["rng"])
+    run.pending_log = ckpt.get("pending_log")
 
 
 def rng_state():
@@ -264,229 +466,303 @@ def set_rng_state(state):
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-# ----------------------------------------------------------------------------- the run
-
-def setup(cfg):
-    """Distributed setup and device choices; returns rank, world_size, device, autocast context, compile flag."""
-    rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    device = cfg["device"] or ("cuda" if torch.cuda.is_available() else "cpu")
-    if device == "cuda":  # under torchrun, one GPU per local rank
-        device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
-    if device.startswith("cuda"):
-        torch.cuda.set_device(device)
-    if world_size > 1:
-        dist.init_process_group("nccl" if device.startswith("cuda") else "gloo")
-    dtype = cfg["dtype"] or ("bfloat16" if device.startswith("cuda") else "float32")
-    if dtype not in ("float32", "bfloat16"):
-        raise ValueError(f"dtype={dtype!r}: expected 'float32' or 'bfloat16'")
-    autocast = torch.autocast(device.split(":")[0], dtype=torch.bfloat16) if dtype == "bfloat16" \
-        else contextlib.nullcontext()  # bf16 forward, fp32 master weights
-    use_compile = device.startswith("cuda") if cfg["compile"] is None else cfg["compile"]
-    if not isinstance(use_compile, bool):
-        raise ValueError(f"compile={cfg['compile']!r}: expected True, False or None (auto)")
-    return rank, world_size, device, autocast, use_compile
-
-
-def model_config_for(cfg, given, ckpt, ckpt_path):
-    """The model to build, written back into cfg's model keys. Without a checkpoint: the configured one.
-    With one (resume, eval_only): the checkpoint's (a field it lacks, added to GPTConfig later, takes its
-    default); the model keys that config files or overrides set must agree with it."""
-    if ckpt is None:
-        config = GPTConfig(**{k: cfg[k] for k in MODEL_KEYS})
-    else:
-        config = GPTConfig.from_dict(ckpt["model_config"], f"{ckpt_path}: model_config")
-        saved = asdict(config)
-        conflict = [k for k in MODEL_KEYS if k in given and given[k] != saved[k]]
-        if conflict:
-            show = lambda d: ", ".join(f"{k}={d[k]!r}" for k in conflict)
-            raise ValueError(f"{ckpt_path}: its model has {show(saved)}, the configuration sets {show(given)} "
-                             f"(leave the model keys out to take the checkpoint's)")
-    cfg.update(asdict(config))
-    return config
-
-
-def check_config(cfg, world_size):
-    if cfg["init_from"] not in ("scratch", "resume"):
-        raise ValueError(f"init_from={cfg['init_from']!r}: expected 'scratch' or 'resume'")
-    for key in ("max_steps", "batch_size", "block_size", "total_batch_size", "log_interval", "eval_interval",
-                "ckpt_interval", "warmup_steps", "muon_momentum_steps"):
-        if cfg[key] < 1:
-            raise ValueError(f"{key}={cfg[key]}: expected a positive integer")
-    micro = cfg["batch_size"] * cfg["block_size"] * world_size
-    if cfg["total_batch_size"] % micro:
-        raise ValueError(f"total_batch_size={cfg['total_batch_size']}: expected a multiple of batch_size x "
-                         f"block_size x processes = {micro}")
-    return cfg["total_batch_size"] // micro
-
+# ----------------------------------------------------------------------------- phase 3: the loop
 
 @torch.no_grad()
-def evaluate(model, cfg, autocast, device, rank, world_size, max_tokens):
-    """Mean validation cross-entropy over a fixed slice of the val shard(s), averaged over ranks."""
-    model.eval()
-    total, n = torch.zeros((), device=device), torch.zeros((), device=device)
-    for x, y in val_batches(cfg["data_dir"], cfg["batch_size"], cfg["block_size"], max_tokens, rank, world_size,
-                            cfg["vocab_size"]):
-        with autocast:
-            _, loss = model(x.to(device), y.to(device), doc_mask=cfg["doc_mask"])
+def evaluate(run, max_tokens):
+    """Mean validation cross-entropy over a fixed slice of the val shard(s) (None: all of it), averaged over ranks."""
+    cfg, env, T = run.cfg, run.env, run.model_config.block_size
+    run.model.eval()
+    total, n = torch.zeros((), device=env.device), torch.zeros((), device=env.device)
+    for x, y in val_batches(cfg.data_dir, cfg.batch_size, T, max_tokens, env.rank, env.world_size,
+                            run.model_config.vocab_size):
+        with env.runtime.autocast():
+            _, loss = run.model(x.to(env.device), y.to(env.device), doc_mask=cfg.doc_mask)
         total += loss.float()
         n += 1
-    if world_size > 1:
+    if env.world_size > 1:
         for t in (total, n):
             dist.all_reduce(t)
-    model.train()
+    run.model.train()
     return (total / n).item()
 
 
+def train_step(run):
+    """One optimiser step over total_batch_size tokens (accumulated micro-steps, DDP all-reducing on the last):
+    its log entry {step, train_loss, muon_lr, adam_lr, grad_norm}."""
+    cfg, env = run.cfg, run.env
+    entry = {"step": run.step + 1, **set_schedule(run.optimizers, run.step, cfg)}
+    loss_sum = torch.zeros((), device=env.device)
+    xs, ys = run.loader.next_batch()
+    for micro, (x, y) in enumerate(zip(xs.split(cfg.batch_size), ys.split(cfg.batch_size))):
+        x, y = x.to(env.device, non_blocking=True), y.to(env.device, non_blocking=True)
+        last = env.world_size == 1 or micro == run.accum - 1
+        with contextlib.nullcontext() if last else run.train_model.no_sync():
+            with env.runtime.autocast():
+                _, loss = run.train_model(x, y, z_loss=cfg.z_loss, doc_mask=cfg.doc_mask)
+            (loss / run.accum).backward()
+        loss_sum += loss.detach()
+    if env.world_size > 1:
+        dist.all_reduce(loss_sum)
+    entry["train_loss"] = run.train_loss = loss_sum.item() / (run.accum * env.world_size)
+    if not math.isfinite(entry["train_loss"]):
+        raise SystemExit(f"train.py: error: non-finite loss ({entry['train_loss']}) at step {entry['step']}; "
+                         f"the last good checkpoint, if any, is {run.ckpt_path}")
+    entry["grad_norm"] = optimizer_step(run.raw_model, run.optimizers, cfg.grad_clip)
+    run.step += 1
+    return entry
+
+
+def due(step, interval, cfg):
+    return step % interval == 0 or step == cfg.max_steps
+
+
+def train(run, log, stop):
+    """The loop: a step, then what is due after it: an evaluation, a log line, checkpoints, a stop."""
+    cfg = run.cfg
+    while run.step < cfg.max_steps:
+        t0, epoch = time.perf_counter(), run.loader.epoch
+        entry = train_step(run)
+        log.time_step(time.perf_counter() - t0)
+        # a signal on any rank: every rank stops after this step (the last one finishes as usual)
+        stopping = run.step < cfg.max_steps and stop.agreed(run.env)
+        if run.loader.epoch != epoch:  # this step's batch began the data again from the first shard
+            entry["epoch"] = run.loader.epoch
+            log.say(f"step {run.step}: end of the train data, wrapping around to its start: epoch "
+                    f"{run.loader.epoch} begins")
+        # stopping at an evaluation step: the evaluation is left to the resumed run, which logs this entry
+        pending = stopping and run.step % cfg.eval_interval == 0
+        if due(run.step, cfg.eval_interval, cfg) and not pending:
+            entry["val_loss"] = evaluate(run, cfg.eval_tokens)
+        if not pending and (due(run.step, cfg.log_interval, cfg) or "val_loss" in entry or "epoch" in entry):
+            log.step(entry)
+        if due(run.step, cfg.ckpt_interval, cfg) or stopping:
+            save(run, pending_log=entry if pending else None)
+        if cfg.keep_every and run.step % cfg.keep_every == 0:
+            keep(run)
+        if stopping:
+            return stop.received
+    return None
+
+
+# ----------------------------------------------------------------------------- checkpoints
+
+def save(run, pending_log=None):
+    """The rolling resume checkpoint: rank 0 writes it; every rank learns whether that worked (a full disk stops
+    the run with one line, the previous checkpoint intact: data.atomic_write)."""
+    error = None
+    if run.env.master:
+        try:
+            save_checkpoint(run.ckpt_path, {
+                "model": run.raw_model.state_dict(), "model_config": asdict(run.model_config),
+                "config": run.flat_config(), "step": run.step,
+                "optimizers": [opt.state_dict() for opt in run.optimizers], "loader": run.loader.state_dict(),
+                "rng": rng_state(), **({"pending_log": pending_log} if pending_log else {})})
+        except OSError as e:
+            error = e
+    failed = torch.tensor(float(error is not None), device=run.env.device)
+    if run.env.world_size > 1:
+        dist.broadcast(failed, 0)
+    if failed.item():
+        why = f"{error.strerror or error}" if error else "rank 0 could not write it"
+        full = " (the disk is full)" if error and error.errno == errno.ENOSPC else ""
+        raise SystemExit(f"train.py: error: step {run.step}: {run.ckpt_path}: {why}{full}; the previous "
+                         f"checkpoint, if any, is intact, and --init_from=auto resumes from it")
+
+
+def keep(run):
+    """A weights-only checkpoint of this step beside the rolling one (checkpoint.weights_only): the history
+    that analyze.py, eval.py and sample.py read as they are."""
+    if run.env.master:
+        path = os.path.join(run.cfg.out_dir, f"ckpt_{run.step:06d}.pt")
+        save_checkpoint(path, weights_only({"model": run.raw_model.state_dict(), "config": run.flat_config(),
+                                            "model_config": asdict(run.model_config), "step": run.step,
+                                            "source": f"train.py, step {run.step} of {run.cfg.out_dir}"}))
+
+
+def disk_plan(run):
+    """One line: what the checkpoints will take on disk, and what the disk has free."""
+    model, cfg = run.raw_model, run.cfg
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    muon = sum(p.numel() for p in muon_params(model))
+    adam = sum(p.numel() for p in model.parameters() if p.requires_grad) - muon
+    resume = weights + 4 * muon + 8 * adam  # + Muon's momentum, AdamW's two moments (fp32)
+    kept = (cfg.max_steps // cfg.keep_every - run.step // cfg.keep_every) if cfg.keep_every else 0
+    os.makedirs(cfg.out_dir, exist_ok=True)
+    stat = os.statvfs(cfg.out_dir)
+    gb = lambda n: f"{n / 1e9:,.2f} GB"
+    return (f"checkpoints: {run.ckpt_path} ~{gb(resume)}, every {cfg.ckpt_interval} steps" +
+            (f"; {kept} weights-only ckpt_<step>.pt of ~{gb(weights)} (every {cfg.keep_every} steps): "
+             f"{gb(kept * weights)} more" if cfg.keep_every else "") +
+            f"; {gb(stat.f_bavail * stat.f_frsize)} free there")
+
+
+# ----------------------------------------------------------------------------- the log
+
+class Log:
+    """What the run says: lines on rank 0's stdout, the same as JSON lines in <out_dir>/log.jsonl, and W&B."""
+
+    def __init__(self, run):
+        self.run, self.env, self.times, self.file, self.wandb = run, run.env, [], None, None
+        self.flops_per_step = flops_per_token(run.raw_model, run.model_config.block_size) * run.cfg.total_batch_size
+        if not self.env.master:
+            return
+        cfg, path = run.cfg, os.path.join(run.cfg.out_dir, "log.jsonl")
+        os.makedirs(cfg.out_dir, exist_ok=True)
+        # a resumed run's log reads as if it had never stopped: drop what came after the checkpoint
+        kept = [e for e in read_jsonl(path) if e["step"] <= run.step] if run.step > 0 and os.path.exists(path) else []
+        with atomic_write(path, "w") as f:
+            f.writelines(json.dumps(e) + "\n" for e in kept)
+            f.write(json.dumps({"step": run.step, "config": run.flat_config()}) + "\n")  # every (re)start's config
+        self.file = open(path, "a")
+        if cfg.wandb_log:
+            try:
+                import wandb
+            except ImportError:
+                raise SystemExit("train.py: error: wandb_log=True but wandb is not installed (pip install wandb)")
+            self.wandb = wandb
+            wandb.init(project=cfg.wandb_project, name=cfg.wandb_run_name, config=run.flat_config())
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        if self.file is not None:
+            self.file.close()
+
+    def say(self, *args):
+        self.env.say(*args)
+
+    def record(self, entry):
+        if self.file is not None:
+            self.file.write(json.dumps(entry) + "\n")
+            self.file.flush()
+            if self.wandb is not None:
+                self.wandb.log(entry, step=entry["step"])
+
+    def time_step(self, seconds):
+        self.times.append(seconds)
+
+    def step(self, entry):
+        """Print and record a step's entry, with the mean step time of the last log_interval steps."""
+        cfg, run = self.run.cfg, self.run
+        window = self.times[-cfg.log_interval:]
+        dt = sum(window) / len(window)
+        entry.update(step_ms=1000 * dt, tok_per_s=cfg.total_batch_size / dt)
+        mfu = ""
+        if self.env.device.startswith("cuda"):
+            entry["mfu"] = self.flops_per_step / dt / self.env.world_size / cfg.gpu_peak_flops
+            mfu = f" | mfu {100 * entry['mfu']:.1f}%"
+        val = f" | val {entry['val_loss']:.4f}" if "val_loss" in entry else ""
+        self.say(f"step {run.step}/{cfg.max_steps} | loss {entry['train_loss']:.4f}{val} | lr {entry['muon_lr']:.2e} "
+                 f"(adam {entry['adam_lr']:.2e}) | grad norm {entry['grad_norm']:.3f} | {1000 * dt:.0f} ms | "
+                 f"{entry['tok_per_s']:,.0f} tok/s{mfu} | eta {dt * (cfg.max_steps - run.step) / 60:.1f} min")
+        self.record(entry)
+
+    def start(self):
+        """The start-up lines, and the validation loss the run starts from (or the one a stop left to do)."""
+        run, cfg = self.run, self.run.cfg
+        changed = {k: v for k, v in run.flat_config().items() if v != ALL_DEFAULTS[k]}
+        self.say("config, where it differs from the defaults (log.jsonl has all of it): " +
+                 (", ".join(f"{k}={v!r}" for k, v in changed.items()) or "none"))
+        self.say(describe_optimizers(run.optimizers, run.raw_model))
+        if run.step:
+            self.say(f"resuming from {run.ckpt_path} at step {run.step}")
+        self.say(f"{run.raw_model.num_params():,} parameters, {self.env.world_size} process(es) x {run.accum} "
+                 f"micro-step(s) x {cfg.batch_size} x {run.model_config.block_size} tokens, {self.env.device}, "
+                 f"compile={self.env.compile}")
+        # the loader wraps around at the end of the data: say up front how often the run will see it
+        planned, available = cfg.max_steps * cfg.total_batch_size, run.loader.tokens_per_epoch
+        self.say(f"data: {cfg.max_steps:,} steps x {cfg.total_batch_size:,} tokens = {planned:,} tokens planned; "
+                 f"{cfg.data_dir} has {available:,} usable train tokens: {planned / available:.2f} epochs"
+                 + (" (the data repeats)" if planned > available else ""))
+        if self.env.master:
+            self.say(disk_plan(run))
+        if run.step == 0:
+            entry = {"step": 0, "val_loss": evaluate(run, cfg.eval_tokens)}
+            self.say(f"step 0: val loss {entry['val_loss']:.4f}")
+            self.record(entry)
+        elif run.pending_log:  # stopped at an evaluation step: its evaluation, then its log entry
+            entry = {**run.pending_log, "val_loss": evaluate(run, cfg.eval_tokens)}
+            self.say(f"step {run.step}: val loss {entry['val_loss']:.4f} (the evaluation left by the stop)")
+            self.record(entry)
+
+
+# ----------------------------------------------------------------------------- stopping on a signal
+
+PREEMPTED = 75  # exit status of a run stopped by a signal after its checkpoint (sysexits' EX_TEMPFAIL: try again)
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)  # schedulers' preemption, Ctrl-C, SLURM's --signal
+
+
+class StopSignals:
+    """While active, SIGTERM, SIGINT and SIGUSR1 ask the run to stop at the next step boundary instead of killing
+    it; the previous handlers come back on exit. A signal during the checkpoint write only says it is noted."""
+
+    def __init__(self):
+        self.received = None
+
+    def __enter__(self):
+        self.previous = {s: signal.signal(s, self._handle) for s in STOP_SIGNALS}
+        return self
+
+    def __exit__(self, *exc):
+        for s, handler in self.previous.items():
+            signal.signal(s, handler)
+
+    def _handle(self, signum, frame):
+        first, self.received = self.received is None, self.received or signal.Signals(signum).name
+        print(f"train.py: {signal.Signals(signum).name}: " + ("stopping after this step, with a checkpoint" if first
+              else f"already stopping ({self.received})"), file=sys.stderr, flush=True)
+
+    def agreed(self, env):
+        """Whether any rank received a signal: the same answer on every rank, so all stop after the same step."""
+        if env.world_size == 1:
+            return self.received is not None
+        flag = torch.tensor(float(self.received is not None), device=env.device)
+        dist.all_reduce(flag)
+        return flag.item() > 0
+
+
+# ----------------------------------------------------------------------------- main
+
 def main(argv):
-    # --- everything that can be wrong with the input is checked before any training
+    """configure, build, restore, the loop: returns the last train loss (eval_only: the validation loss)."""
     if wants_help(argv):
         print(help_text(__doc__, help_sections()))
         return None
     try:
-        given = read_args(argv, ALL_DEFAULTS)
-        cfg = {**ALL_DEFAULTS, **given}
-        rank, world_size, device, autocast, use_compile = setup(cfg)
-        ckpt_path = os.path.join(cfg["out_dir"], "ckpt.pt")
-        # loaded to the CPU: load_state_dict copies to the device, and RNG states must stay CPU tensors
-        resume = cfg["init_from"] == "resume" and not cfg["eval_only"]  # needs more than the weights
-        keys = ("model", "model_config", "step") + (("optimizers", "loader", "rng") if resume else ())
-        ckpt = load_checkpoint(ckpt_path, keys) if (resume or cfg["eval_only"]) else None
-        model_config = model_config_for(cfg, given, ckpt, ckpt_path)  # before the checks: block_size may change
-        if ckpt is not None and "doc_mask" not in given:  # resume, eval_only: as trained, unless overridden
-            cfg["doc_mask"] = trained_doc_mask(ckpt)
-        accum = check_config(cfg, world_size)
-        # one window of total_batch_size tokens per step, split into micro-steps below: the same tokens
-        # whatever the mix of processes and accumulation (and at shard ends, too)
-        loader = None if cfg["eval_only"] else DataLoader(
-            cfg["data_dir"], accum * cfg["batch_size"], cfg["block_size"], rank, world_size, cfg["vocab_size"])
-        next(val_batches(cfg["data_dir"], cfg["batch_size"], cfg["block_size"], cfg["eval_tokens"], rank,
-                         world_size, cfg["vocab_size"]), None)  # the val shard is checked now, not at step 500
+        cfg, model_config, env, ckpt, accum = configure(argv)
+        if ckpt is not None and not cfg.eval_only and ckpt["step"] >= cfg.max_steps:
+            env.say(f"{os.path.join(cfg.out_dir, 'ckpt.pt')}: this run is finished (step {ckpt['step']} of "
+                    f"max_steps={cfg.max_steps}); nothing to do")
+            env.teardown()
+            return None
+        run = build(cfg, model_config, env, accum)
     except (ValueError, FileNotFoundError) as e:
         sys.exit(f"train.py: error: {e}")
-    master = rank == 0
-    log = print if master else (lambda *a, **k: None)
-    changed = {k: v for k, v in cfg.items() if v != ALL_DEFAULTS[k]}
-    log("config, where it differs from the defaults (log.jsonl has all of it): " +
-        (", ".join(f"{k}={v!r}" for k, v in changed.items()) or "none"))
-
-    torch.manual_seed(cfg["seed"])
-    random.seed(cfg["seed"])
-    np.random.seed(cfg["seed"])
-    raw_model = GPT(model_config).to(device)
-    raw_model.activation_checkpointing = cfg["activation_checkpointing"]
-    optimizers = configure_optimizers(raw_model, cfg, rank, world_size)
-    log(describe_optimizers(optimizers))
-    step = 0
     if ckpt is not None:
-        raw_model.load_state_dict(ckpt["model"])
-    if cfg["eval_only"]:
-        val_loss = evaluate(raw_model, cfg, autocast, device, rank, world_size, None)
-        log(f"step {ckpt['step']}: val loss {val_loss:.4f} on the whole validation set")
+        restore(run, ckpt)
+    if cfg.eval_only:
+        val_loss = evaluate(run, None)
+        env.say(f"step {run.step}: val loss {val_loss:.4f} on the whole validation set")
+        env.teardown(run.train_model if env.world_size > 1 else None)
         return val_loss
-    if ckpt is not None:
-        for opt, state in zip(optimizers, ckpt["optimizers"]):
-            opt.load_state_dict(state)
-        loader.load_state_dict(ckpt["loader"])
-        set_rng_state(ckpt["rng"])
-        step = ckpt["step"]
-        log(f"resuming from {ckpt_path} at step {step}")
-    model = torch.compile(raw_model) if use_compile else raw_model
-    train_model = DDP(model, device_ids=[torch.device(device).index] if device.startswith("cuda") else None) \
-        if world_size > 1 else model
-    if master:
-        os.makedirs(cfg["out_dir"], exist_ok=True)
-        log_path = os.path.join(cfg["out_dir"], "log.jsonl")
-        # a resumed run's log reads as if it had never stopped: drop what came after the checkpoint
-        kept = [line for line in open(log_path)] if step > 0 and os.path.exists(log_path) else []
-        with atomic_write(log_path, "w") as f:
-            f.writelines(line for line in kept if json.loads(line)["step"] <= step)
-            f.write(json.dumps({"step": step, "config": cfg}) + "\n")  # every (re)start records its config
-        log_file = open(log_path, "a")
-        log_file.flush()
-        wandb = None
-        if cfg["wandb_log"]:
-            try:
-                import wandb
-            except ImportError:
-                sys.exit("train.py: error: wandb_log=True but wandb is not installed (pip install wandb)")
-            wandb.init(project=cfg["wandb_project"], name=cfg["wandb_run_name"], config=cfg)
-    flops_per_step = raw_model.flops_per_token(cfg["block_size"]) * cfg["total_batch_size"]
-    log(f"{raw_model.num_params():,} parameters, {world_size} process(es) x {accum} micro-step(s) x "
-        f"{cfg['batch_size']} x {cfg['block_size']} tokens, {device}, compile={use_compile}")
-    # the loader wraps around at the end of the data: say up front how often the run will see it
-    planned, available = cfg["max_steps"] * cfg["total_batch_size"], loader.tokens_per_epoch
-    log(f"data: {cfg['max_steps']:,} steps x {cfg['total_batch_size']:,} tokens = {planned:,} tokens planned; "
-        f"{cfg['data_dir']} has {available:,} usable train tokens: {planned / available:.2f} epochs"
-        + (" (the data repeats)" if planned > available else ""))
-
-    def record(entry):
-        if master:
-            log_file.write(json.dumps(entry) + "\n")
-            log_file.flush()
-            if wandb is not None:
-                wandb.log(entry, step=entry["step"])
-
-    if step == 0:
-        val_loss = evaluate(model, cfg, autocast, device, rank, world_size, cfg["eval_tokens"])
-        log(f"step 0: val loss {val_loss:.4f}")
-        record({"step": 0, "val_loss": val_loss})
-    step_times, train_loss = [], None
-    while step < cfg["max_steps"]:
-        t0 = time.perf_counter()
-        lr = set_schedule(optimizers, step, cfg)
-        loss_sum = torch.zeros((), device=device)
-        epoch = loader.epoch
-        xs, ys = loader.next_batch()
-        for micro, (x, y) in enumerate(zip(xs.split(cfg["batch_size"]), ys.split(cfg["batch_size"]))):
-            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-            # DDP all-reduces gradients only on the last micro-step
-            sync = contextlib.nullcontext() if (world_size == 1 or micro == accum - 1) else train_model.no_sync()
-            with sync:
-                with autocast:
-                    _, loss = train_model(x, y, z_loss=cfg["z_loss"], doc_mask=cfg["doc_mask"])
-                (loss / accum).backward()
-            loss_sum += loss.detach()
-        if world_size > 1:
-            dist.all_reduce(loss_sum)
-        train_loss = loss_sum.item() / (accum * world_size)
-        if not math.isfinite(train_loss):
-            sys.exit(f"train.py: error: non-finite loss ({train_loss}) at step {step + 1}; "
-                     f"the last good checkpoint, if any, is {ckpt_path}")
-        grad_norm = optimizer_step(raw_model, optimizers, cfg)
-        step += 1
-        step_times.append(time.perf_counter() - t0)
-
-        entry = {"step": step, "train_loss": train_loss, "lr": lr, "grad_norm": grad_norm}
-        if loader.epoch != epoch:  # this step's batch began the data again from the first shard
-            entry["epoch"] = loader.epoch
-            log(f"step {step}: end of the train data, wrapping around to its start: epoch {loader.epoch} begins")
-        if step % cfg["eval_interval"] == 0 or step == cfg["max_steps"]:
-            entry["val_loss"] = evaluate(model, cfg, autocast, device, rank, world_size, cfg["eval_tokens"])
-        if step % cfg["log_interval"] == 0 or "val_loss" in entry or "epoch" in entry:
-            dt = sum(step_times[-cfg["log_interval"]:]) / len(step_times[-cfg["log_interval"]:])
-            entry.update(step_ms=1000 * dt, tok_per_s=cfg["total_batch_size"] / dt)
-            mfu = ""
-            if device.startswith("cuda"):
-                entry["mfu"] = flops_per_step / dt / world_size / cfg["gpu_peak_flops"]
-                mfu = f" | mfu {100 * entry['mfu']:.1f}%"
-            eta = dt * (cfg["max_steps"] - step)
-            val = f" | val {entry['val_loss']:.4f}" if "val_loss" in entry else ""
-            log(f"step {step}/{cfg['max_steps']} | loss {train_loss:.4f}{val} | lr {lr:.2e} | grad norm "
-                f"{grad_norm:.3f} | {1000 * dt:.0f} ms | {entry['tok_per_s']:,.0f} tok/s{mfu} | "
-                f"eta {eta / 60:.1f} min")
-            record(entry)
-        if master and (step % cfg["ckpt_interval"] == 0 or step == cfg["max_steps"]):
-            save_checkpoint(ckpt_path, {
-                "model": raw_model.state_dict(), "model_config": asdict(model_config), "config": cfg,
-                "step": step, "optimizers": [opt.state_dict() for opt in optimizers],
-                "loader": loader.state_dict(), "rng": rng_state()})
-    if world_size > 1:
-        # Free DDP's reducer, and let every rank's gloo/NCCL work finish, while the group still exists:
-        # a group destroyed from the reducer's deallocation at exit can deadlock on the GIL with its workers
-        del train_model
-        dist.barrier()
-        dist.destroy_process_group()
-    return train_loss
+    try:
+        with Log(run) as log, StopSignals() as stop:
+            log.start()
+            stopped_by = train(run, log, stop)
+    except dist.DistError as e:  # a collective timed out, or a peer went away
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        sys.exit(f"train.py: error: rank {env.rank}: a collective failed ({first}): another process died or "
+                 f"stopped answering (dist_timeout={cfg.dist_timeout} s); --init_from=auto resumes from "
+                 f"{run.ckpt_path}")
+    env.teardown(run.train_model if env.world_size > 1 else None)
+    if stopped_by:
+        print(f"train.py: rank {env.rank}: stopped after step {run.step} ({stopped_by}); {run.ckpt_path} holds it: "
+              f"the same command with --init_from=auto continues the run (exit status {PREEMPTED})",
+              file=sys.stderr, flush=True)
+        sys.exit(PREEMPTED)
+    return run.train_loss
 
 
 if __name__ == "__main__":

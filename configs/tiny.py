@@ -11,3 +11,6 @@ max_steps = 150
 warmup_steps = 20
 eval_interval = 50
 eval_tokens = 65536
+# Muon's momentum ramps: the paper's 100 steps are 0.3% of its 38,147; at 150 steps they would overlap, and
+# momentum would never reach 0.95. 20 steps, like the warmup (and like it, on the order of a tenth of the run).
+muon_momentum_steps = 20

@@ -1,0 +1,488 @@
+"""
+Variants x seeds, each an ordinary train.py run in its own directory, and the report that compares them with
+intervals: the instrument for the paper's open questions (seeds, token-matched data efficiency, controls).
+
+    python sweep.py configs/gated.py+configs/tiny.py configs/dyn_exo.py+configs/tiny.py --seeds=0,1,2,3,4 \\
+        --out_dir=out/sweep --parallel=2 --data_dir=data/pydocs          # runs, then the report
+    python sweep.py ... --print                                        # one shell command per run, nothing run
+    python sweep.py --report out/sweep/* [--reference=LABEL] [--out=FILE]
+
+Each CONFIG is one variant: a config file, or several joined by '+' (applied in that order, as train.py
+applies them). Every other --key=value is a train.py key and goes to every run. Run directories are
+<out_dir>/<variant>_s<seed> (with --budgets, <variant>_b<fraction>_s<seed> for the shorter budgets). Every
+run is started with --init_from=auto: a finished run is skipped, an unfinished one resumes from its last
+checkpoint, so the same command continues a sweep that was stopped (Ctrl-C, kill, a lost machine).
+"""
+import argparse
+import ctypes
+import json
+import math
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+import train
+from checkpoint import load_checkpoint
+from data import atomic_write, find_shards, read_jsonl
+from model import GPTConfig
+from train import MODEL_KEYS
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+SWEEP_KEYS = ("seeds", "out_dir", "parallel", "budgets", "print")  # the rest of --key=value goes to train.py
+POLL = 0.2  # seconds between looks at the running processes
+
+
+# ----------------------------------------------------------------------------- the runs
+
+class Run:
+    """One train.py process of the sweep: a variant at one seed and budget."""
+
+    def __init__(self, variant, files, seed, budget, max_steps, overrides, out_dir):
+        self.variant, self.files, self.seed, self.budget, self.max_steps = variant, files, seed, budget, max_steps
+        self.name = f"{variant}{'' if budget == 1 else f'_b{budget:g}'}_s{seed}"
+        self.dir = os.path.join(out_dir, self.name)
+        if budget != 1:  # its own max_steps, in place of any given
+            overrides = [a for a in overrides if not a.startswith("--max_steps=")] + [f"--max_steps={max_steps}"]
+        self.args = [*files, *overrides, f"--seed={seed}", f"--out_dir={self.dir}", "--init_from=auto"]
+        self.proc = self.started = None
+
+    def finished(self):
+        """Whether the run already holds its last step's checkpoint (a cheap read: nothing is loaded)."""
+        try:
+            return load_checkpoint(os.path.join(self.dir, "ckpt.pt"), ("step",), mmap=True)["step"] >= self.max_steps
+        except (FileNotFoundError, ValueError):
+            return False
+
+    def command(self, env=None):
+        """The shell command of the run (its environment first)."""
+        prefix = [f"{k}={v}" for k, v in (env or {}).items()]
+        return shlex.join(prefix + [sys.executable, os.path.relpath(os.path.join(ROOT, "train.py")), *self.args])
+
+    def start(self, env):
+        os.makedirs(self.dir, exist_ok=True)
+        out = open(os.path.join(self.dir, "train.out"), "a")  # train.py's own output, for a look when it fails
+        self.proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "train.py"), *self.args], stdout=out,
+                                     stderr=subprocess.STDOUT, env={**os.environ, **env},
+                                     preexec_fn=_stop_with_parent, start_new_session=True)
+        out.close()
+        self.started = time.time()
+
+
+def _stop_with_parent():
+    """In the child: SIGTERM when the sweep dies, even by SIGKILL (Linux), so the run checkpoints and stops."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:  # not Linux: a killed sweep leaves its runs going, and they finish on their own
+        pass
+
+
+def plan(configs, seeds, budgets, overrides, out_dir):
+    """Every run, seed after seed (so that an early look at a sweep sees every variant), each checked as
+    train.py checks it before running: a bad config or key fails here, before anything starts."""
+    runs = []
+    for config in configs:
+        files = config.split("+")
+        missing = [f for f in files if not os.path.isfile(f)]
+        if missing:
+            raise ValueError(f"{config}: no config file {missing[0]}")
+        cfg, _ = train.check_args(files + overrides)  # raises ValueError naming the key or file
+        for split in ("train", "val"):  # present, at least (train.py checks their contents)
+            find_shards(cfg.data_dir, split)
+        for budget in budgets:
+            steps = round(budget * cfg.max_steps)
+            if steps < 1:
+                raise ValueError(f"--budgets: {budget:g} of max_steps={cfg.max_steps} is no step at all")
+            if budget != 1:
+                train.check_args(files + overrides + [f"--max_steps={steps}"])
+            variant = "+".join(os.path.basename(f).removesuffix(".py") for f in files)
+            runs.append((variant, files, budget, steps))
+    names = [v for v, *_ in runs]
+    twice = sorted({n for n in names if names.count(n) > len(budgets)})
+    if twice:
+        raise ValueError(f"variant {twice[0]} given twice (its runs would share directories)")
+    return [Run(v, files, seed, b, steps, overrides, out_dir) for seed in seeds for v, files, b, steps in runs]
+
+
+def slots(parallel):
+    """The environment of each of `parallel` slots: one GPU each when GPUs are visible, else a share of the cores."""
+    import torch
+    gpus = torch.cuda.device_count()
+    if gpus:
+        if parallel > gpus:
+            raise ValueError(f"--parallel={parallel}: only {gpus} GPU(s) visible, one run per GPU")
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES", ",".join(map(str, range(gpus)))).split(",")
+        return [{"CUDA_VISIBLE_DEVICES": visible[i]} for i in range(parallel)]
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    threads = str(max(1, cores // parallel))
+    return [{"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}] * parallel
+
+
+def minutes(seconds):
+    return f"{seconds / 60:.1f} min"
+
+
+def sweep(runs, parallel):
+    """Run every unfinished run, `parallel` at a time, a line per start and end with the count and ETA.
+    SIGINT/SIGTERM stop the running ones at their next step, with a checkpoint. Returns the failed runs."""
+    envs = slots(parallel)
+    todo = [r for r in runs if not r.finished()]
+    for r in runs:
+        if r not in todo:
+            print(f"skip {r.name}: finished (step {r.max_steps})")
+    total, done, failed, busy, durations = len(todo), 0, [], {}, []
+    stopping = []
+
+    def stop(signum, frame):
+        if not stopping:
+            print(f"sweep.py: {signal.Signals(signum).name}: stopping the running runs at their next step "
+                  f"(each writes a checkpoint); the same command continues the sweep", flush=True)
+        stopping.append(signum)
+        for r in busy.values():
+            r.proc.send_signal(signal.SIGTERM)
+
+    previous = {s: signal.signal(s, stop) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        while (todo and not stopping) or busy:
+            for slot in range(parallel):
+                if slot not in busy and todo and not stopping:
+                    r = busy[slot] = todo.pop(0)
+                    r.start(envs[slot])
+                    print(f"[{done + len(busy)}/{total}] start {r.name} ({r.dir})", flush=True)
+            time.sleep(POLL)
+            for slot, r in list(busy.items()):
+                code = r.proc.poll()
+                if code is None:
+                    continue
+                del busy[slot]
+                elapsed = time.time() - r.started
+                if code == 0:
+                    done += 1
+                    durations.append(elapsed)
+                    left = len(todo) + len(busy)
+                    eta = f"ETA {minutes(sum(durations) / len(durations) * left / parallel)}" if left else "all done"
+                    print(f"[{done}/{total}] done {r.name} in {minutes(elapsed)}; {eta}", flush=True)
+                elif code == train.PREEMPTED:
+                    print(f"[{done}/{total}] stopped {r.name} after {minutes(elapsed)}: it resumes next time", flush=True)
+                else:
+                    failed.append(r)
+                    print(f"[{done}/{total}] FAILED {r.name} (exit status {code}); see {r.dir}/train.out", flush=True)
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    if stopping:
+        sys.exit(train.PREEMPTED)
+    return failed
+
+
+# ----------------------------------------------------------------------------- the report
+
+# Keys that cannot change what a run computes: runs differing only in them are replicates of one variant
+RUN_KEYS = {"seed", "out_dir", "init_from", "eval_only", "log_interval", "eval_interval", "ckpt_interval",
+            "keep_every", "wandb_log", "wandb_project", "wandb_run_name", "dist_timeout", "gpu_peak_flops"}
+# Student's t 0.975 quantiles for 1..30 degrees of freedom (any table); beyond, 1.96 + 2.4/df is within 0.001
+T975 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
+        2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042]
+BOOTSTRAP = 4000  # resamples of the seeds for the ratios' intervals (a fixed RNG: the report is reproducible)
+
+
+@dataclass
+class RunLog:
+    """What the report reads of one run directory: its log.jsonl."""
+    path: str
+    config: dict  # the last (re)start's whole configuration
+    curve: list  # [(step, val_loss)] of every evaluation, step 0 included
+
+    @property
+    def seed(self):
+        return self.config["seed"]
+
+    @property
+    def max_steps(self):
+        return self.config["max_steps"]
+
+    @property
+    def tokens_per_step(self):
+        return self.config["total_batch_size"]
+
+    @property
+    def final(self):
+        """The validation loss of the last step, or None for a run that has not finished."""
+        return self.curve[-1][1] if self.curve and self.curve[-1][0] == self.max_steps else None
+
+
+def read_run(path):
+    """The RunLog of a run directory, or a ValueError saying why it is none."""
+    log = os.path.join(path, "log.jsonl")
+    if not os.path.isfile(log):
+        raise ValueError(f"{path}: no log.jsonl (not a train.py run directory)")
+    entries = list(read_jsonl(log))
+    configs = [e["config"] for e in entries if "config" in e]
+    if not configs:
+        raise ValueError(f"{log}: no configuration record (not written by train.py)")
+    curve = [(e["step"], e["val_loss"]) for e in entries if isinstance(e.get("val_loss"), (int, float))]
+    return RunLog(path, configs[-1], curve)
+
+
+def t_interval(xs):
+    """(mean, std with ddof 1, [lo, hi] of the mean's 95% t interval); std and interval None for one value."""
+    xs = np.asarray(xs, dtype=float)
+    mean = float(xs.mean())
+    if len(xs) < 2:
+        return mean, None, None
+    std, df = float(xs.std(ddof=1)), len(xs) - 1
+    half = (T975[df - 1] if df <= len(T975) else 1.96 + 2.4 / df) * std / math.sqrt(len(xs))
+    return mean, std, [mean - half, mean + half]
+
+
+def tokens_to_target(run, target):
+    """Tokens at which the run's validation curve first reaches target, linearly interpolated between the two
+    evaluations around the crossing; None if it never does."""
+    for (s0, l0), (s1, l1) in zip(run.curve, run.curve[1:]):
+        if l1 <= target:
+            step = s1 if l0 == l1 else s0 + (l0 - target) / (l0 - l1) * (s1 - s0)
+            return max(step, s0) * run.tokens_per_step
+    return None
+
+
+def token_ratio(ref_runs, runs, target=None):
+    """Reference tokens at its last evaluation / mean tokens_to_target of the runs that reach the target (the
+    mean of the reference's final losses unless given); None if none reaches it."""
+    target = np.mean([r.final for r in ref_runs]) if target is None else target
+    reached = [t for t in (tokens_to_target(r, target) for r in runs) if t is not None]
+    ref_tokens = np.mean([r.max_steps * r.tokens_per_step for r in ref_runs])
+    return float(ref_tokens / np.mean(reached)) if reached else None
+
+
+def budget_ratio(ref_runs, budgets):
+    """Reference tokens / the budget (tokens) at which the variant's mean final loss equals the reference's mean
+    final loss, interpolated linearly between the two budgets around it; budgets: {tokens: [runs]}. None when
+    the target lies outside the budgets measured."""
+    target = np.mean([r.final for r in ref_runs])
+    ref_tokens = np.mean([r.max_steps * r.tokens_per_step for r in ref_runs])
+    points = sorted((tokens, np.mean([r.final for r in runs])) for tokens, runs in budgets.items())
+    for (t0, l0), (t1, l1) in zip(points, points[1:]):
+        if l0 >= target >= l1:
+            return float(ref_tokens / (t1 if l0 == l1 else t0 + (l0 - target) / (l0 - l1) * (t1 - t0)))
+    return None
+
+
+def bootstrap(statistic, *groups, seed=0):
+    """95% percentile interval of statistic(*groups) over BOOTSTRAP resamples, each group's runs resampled with
+    replacement on its own; resamples where the statistic is undefined (None) are left out. None if too few."""
+    rng, values = np.random.default_rng(seed), []
+    for _ in range(BOOTSTRAP):
+        value = statistic(*[resample(g, rng) for g in groups])
+        if value is not None:
+            values.append(value)
+    if len(values) < BOOTSTRAP / 2:
+        return None
+    return [float(v) for v in np.percentile(values, [2.5, 97.5])]
+
+
+def resample(group, rng):
+    """A list of runs, or {budget: runs}: the same shape, each list drawn with replacement."""
+    if isinstance(group, dict):
+        return {k: resample(v, rng) for k, v in group.items()}
+    return [group[i] for i in rng.integers(0, len(group), len(group))]
+
+
+def group_variants(runs):
+    """{label: [runs]} in the order first seen: runs whose configurations differ only in RUN_KEYS (and in
+    max_steps: a variant's budgets) are one variant. A label is the variant's GPTConfig.name, plus the keys that
+    tell it apart from variants of the same name."""
+    key = lambda r: json.dumps({k: v for k, v in r.config.items() if k not in RUN_KEYS | {"max_steps"}},
+                               sort_keys=True)
+    groups = {}
+    for r in runs:
+        groups.setdefault(key(r), []).append(r)
+    configs = {k: json.loads(k) for k in groups}
+    name = {k: GPTConfig.from_dict({f: c[f] for f in MODEL_KEYS if f in c}).name for k, c in configs.items()}
+    labels = {}
+    for k, c in configs.items():
+        twins = [configs[o] for o in configs if o != k and name[o] == name[k]]
+        differing = sorted({f for t in twins for f in c if t.get(f) != c[f]})
+        labels[k] = name[k] + (f" ({', '.join(f'{f}={c[f]!r}' for f in differing)})" if differing else "")
+    return {labels[k]: rs for k, rs in groups.items()}
+
+
+def describe(label, runs, ref_label, ref_full):
+    """The report's entry for one variant against the reference's full-budget runs."""
+    full_steps = max(r.max_steps for r in runs)
+    full = sorted((r for r in runs if r.max_steps == full_steps), key=lambda r: r.seed)
+    finals = [r.final for r in full]
+    mean, std, ci = t_interval(finals)
+    out = {"runs": len(full), "seeds": [r.seed for r in full], "final_val_loss": finals, "mean": mean, "std": std,
+           "ci95": ci, "max_steps": full_steps, "tokens": full_steps * full[0].tokens_per_step}
+    ref_by_seed = {r.seed: r.final for r in ref_full}
+    deltas = [r.final - ref_by_seed[r.seed] for r in full if r.seed in ref_by_seed]
+    if label != ref_label and deltas:
+        d_mean, _, d_ci = t_interval(deltas)
+        out.update(paired_seeds=[r.seed for r in full if r.seed in ref_by_seed], delta_mean=d_mean, delta_ci95=d_ci,
+                   resolved=None if d_ci is None else not d_ci[0] <= 0 <= d_ci[1])
+    target = float(np.mean([r.final for r in ref_full]))
+    out.update(target=target, tokens_to_target=[tokens_to_target(r, target) for r in full],
+               token_ratio=token_ratio(ref_full, full), token_ratio_ci95=bootstrap(token_ratio, ref_full, full))
+    budgets = {}
+    for r in runs:
+        budgets.setdefault(r.max_steps * r.tokens_per_step, []).append(r)
+    out["budgets"] = {str(t): {"max_steps": rs[0].max_steps, "seeds": sorted(r.seed for r in rs),
+                               "mean_final_val_loss": float(np.mean([r.final for r in rs]))}
+                      for t, rs in sorted(budgets.items())}
+    if len(budgets) > 1:
+        out.update(budget_ratio=budget_ratio(ref_full, budgets),
+                   budget_ratio_ci95=bootstrap(budget_ratio, ref_full, budgets))
+    return out
+
+
+def report(run_dirs, reference=None):
+    """({label: entry}, {label: full-budget runs}) for the finished runs among run_dirs, the reference first
+    (the README's Results defines each number); unfinished runs are left out with a note."""
+    runs = []
+    for d in run_dirs:
+        r = read_run(d)
+        if r.final is None:
+            last = r.curve[-1][0] if r.curve else 0
+            print(f"note: {d}: not finished (evaluated up to step {last} of {r.max_steps}), left out", file=sys.stderr)
+        else:
+            runs.append(r)
+    if not runs:
+        raise ValueError("no finished run among the run directories")
+    variants = group_variants(runs)
+    ref = reference or next(iter(variants))
+    if ref not in variants:
+        raise ValueError(f"--reference={ref!r}: no such variant; the variants are {', '.join(map(repr, variants))}")
+    full = {v: [r for r in runs if r.max_steps == max(r.max_steps for r in runs)] for v, runs in variants.items()}
+    order = [ref] + [v for v in variants if v != ref]
+    rep = {v: {"reference": v == ref, **describe(v, variants[v], ref, full[ref])} for v in order}
+    return rep, {v: full[v] for v in order}
+
+
+def markdown(rep):
+    """The report as a markdown table."""
+    f = lambda x, fmt=".4f": "–" if x is None else format(x, fmt)
+    ci = lambda c, fmt=".4f": "–" if c is None else f"[{f(c[0], fmt)}, {f(c[1], fmt)}]"
+    lines = ["| variant | seeds | final val loss, mean ± std | 95% CI | Δ vs reference (paired) | Δ 95% CI | resolved "
+             "| token ratio | 95% CI | budget ratio | 95% CI |", "|" + "---|" * 11]
+    for label, e in rep.items():
+        delta = "reference" if e["reference"] else f(e.get("delta_mean"), "+.4f")
+        resolved = {True: "yes", False: "no", None: "–"}[e.get("resolved")]
+        lines.append(f"| {label} | {len(e['seeds'])} | {f(e['mean'])} ± {f(e['std'])} | {ci(e['ci95'])} | {delta} | "
+                     f"{ci(e.get('delta_ci95'), '+.4f')} | {resolved} | {f(e['token_ratio'], '.3f')} | "
+                     f"{ci(e['token_ratio_ci95'], '.3f')} | {f(e.get('budget_ratio'), '.3f')} | "
+                     f"{ci(e.get('budget_ratio_ci95'), '.3f')} |")
+    return "\n".join(lines)
+
+
+def plot_report(rep, full_runs, path):
+    """Mean validation loss against tokens per variant (its full-budget runs), a min-max band over the seeds, and
+    the target line; the whole run, and its last 30% where the curves separate. None without matplotlib."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    target = next(iter(rep.values()))["target"]
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), layout="constrained")
+    for label, runs in full_runs.items():
+        steps = sorted(set.intersection(*[{s for s, _ in r.curve} for r in runs]))
+        losses = np.array([[dict(r.curve)[s] for s in steps] for r in runs])
+        tokens = np.array(steps) * runs[0].tokens_per_step / 1e6
+        for ax in axes:
+            line, = ax.plot(tokens, losses.mean(0), label=f"{label} ({len(runs)} seeds)")
+            ax.fill_between(tokens, losses.min(0), losses.max(0), color=line.get_color(), alpha=0.2)
+    end = max(r.max_steps * r.tokens_per_step for runs in full_runs.values() for r in runs) / 1e6
+    late = [l for runs in full_runs.values() for r in runs for s, l in r.curve if s * r.tokens_per_step / 1e6 >= 0.7 * end]
+    for ax, title in zip(axes, ("validation loss (mean over seeds; band: min to max)", "the last 30%")):
+        ax.axhline(target, color="gray", ls="--", lw=0.8, label="target: the reference's mean final loss")
+        ax.set(title=title, xlabel="tokens (millions)", ylabel="validation loss")
+        ax.grid(alpha=0.3)
+    axes[0].set_ylim(min(late) - 0.1, target + 3)  # the first steps' losses (~10.8) would squash the rest
+    axes[1].set(xlim=(0.7 * end, 1.01 * end), ylim=(min(late) - 0.01, max(late) + 0.01))
+    axes[1].legend(fontsize=8)
+    with atomic_write(path) as f:
+        fig.savefig(f, format="png", dpi=110)
+    plt.close(fig)
+    return path
+
+
+def write_report(run_dirs, reference=None, out=None):
+    """Report on run_dirs: print the table, write the JSON (default: report.json in their common folder) and,
+    with matplotlib, the figure beside it (report.png)."""
+    rep, full_runs = report(run_dirs, reference)
+    out = out or os.path.join(os.path.commonpath([os.path.abspath(d) for d in run_dirs]), "report.json")
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    with atomic_write(out, "w") as f:
+        f.write(json.dumps(rep, indent=1) + "\n")
+    print(markdown(rep))
+    print(f"wrote {out}")
+    figure = plot_report(rep, full_runs, os.path.splitext(out)[0] + ".png")
+    print(f"wrote {figure}" if figure else "matplotlib is not installed: no figure (pip install matplotlib)")
+    return rep
+
+
+# ----------------------------------------------------------------------------- command line
+
+def parse_args(argv):
+    """(sweep options, train.py overrides, configs) of a sweep's command line."""
+    p = argparse.ArgumentParser(description="Variants x seeds as train.py runs, and their report", allow_abbrev=False,
+                                epilog="Every other --key=value is a train.py key and goes to every run.")
+    p.add_argument("configs", nargs="*", help="one variant each: a config file, or files joined by '+'")
+    p.add_argument("--seeds", default="0,1,2", help="comma-separated seeds: each variant runs once per seed")
+    p.add_argument("--out_dir", default="out/sweep", help="the runs go to OUT_DIR/<variant>_s<seed>")
+    p.add_argument("--parallel", type=int, default=1, help="runs at once: one per GPU, or a share of the CPU cores")
+    p.add_argument("--budgets", default="1", help="fractions of max_steps, each run with its own full schedule "
+                                                 "(the budget-matched data efficiency), e.g. 0.5,0.75,1")
+    p.add_argument("--print", action="store_true", help="print one shell command per run and run nothing")
+    p.add_argument("--report", nargs="+", metavar="RUN_DIR", help="only compare these run directories")
+    p.add_argument("--reference", default=None, help="the report's reference variant (default: the first)")
+    p.add_argument("--out", default=None, help="the report's JSON (default: OUT_DIR/report.json)")
+    args, rest = p.parse_known_args(argv)
+    bad = [a for a in rest if not a.startswith("--") or "=" not in a]
+    if bad:
+        p.error(f"{bad[0]}: expected --key=value (a train.py key)")
+    for a in rest:
+        if a.split("=")[0] in ("--seed", "--init_from"):
+            p.error(f"{a}: the sweep sets it for every run (use --seeds)")
+    try:
+        args.seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
+        args.budgets = sorted({float(b) for b in args.budgets.split(",") if b.strip()})
+    except ValueError:
+        p.error(f"--seeds={args.seeds} / --budgets={args.budgets}: expected comma-separated numbers")
+    if not args.seeds or len(set(args.seeds)) != len(args.seeds):
+        p.error(f"--seeds: expected distinct integers, got {args.seeds}")
+    if not all(0 < b <= 1 for b in args.budgets) or 1 not in args.budgets:
+        p.error(f"--budgets={args.budgets}: expected fractions in (0, 1], 1 among them")
+    if args.parallel < 1:
+        p.error(f"--parallel={args.parallel}: expected a positive integer")
+    if not args.report and not args.configs:
+        p.error("expected CONFIG... to run, or --report RUN_DIR...")
+    return args, rest
+
+
+def main(argv=None):
+    args, overrides = parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        if args.report:
+            return write_report(args.report, args.reference, args.out)
+        runs = plan(args.configs, args.seeds, args.budgets, overrides, args.out_dir)
+        if args.print:
+            for r in runs:
+                print(r.command())
+            return runs
+        failed = sweep(runs, args.parallel)
+        if failed:
+            sys.exit(f"sweep.py: error: {len(failed)} run(s) failed: {', '.join(r.name for r in failed)}")
+        return write_report([r.dir for r in runs], args.reference, args.out or os.path.join(args.out_dir, "report.json"))
+    except (ValueError, FileNotFoundError) as e:
+        sys.exit(f"sweep.py: error: {e}")
+
+
+if __name__ == "__main__":
+    main()
