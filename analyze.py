@@ -52,9 +52,9 @@ from checkpoint import Runtime, check_checkpoint, load_model, trained_doc_mask
 from data import atomic_write, read_jsonl, val_batches
 from model import document_mask
 
-TOP_K = (1, 2, 3, 10)
+TOP_K = (1, 2, 3, 10)  # the top-k attention weights of Figure 4
 GATE_CLOSED = 0.2  # σ(g) below this counts towards gate sparsity (Figure 7b)
-PCA_VARIANCE = 0.99
+PCA_VARIANCE = 0.99  # the share of the variance that the PCA dimension of Figure 4 explains (our choice)
 ATTN_CHUNK = 1 << 24  # attention weights formed at once (heads × queries × keys floats, 64 MB)
 PROJ_NAMES = {"q": "query", "k": "key", "v": "value", "g": "gate logit"}
 

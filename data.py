@@ -284,6 +284,7 @@ def val_batches(data_dir, batch_size, block_size, max_tokens=None, rank=0, world
 # ----------------------------------------------------------------------------------------------
 # The HTTP client: one retry policy for files (resumable, renamed into place only when complete) and JSON
 
+# Our choices, for the Hub's rate limits and a flaky link:
 MAX_TRIES = 8       # failed attempts in a row before giving up (for a file, an attempt that brings
                     # new bytes resets the count, so a flaky link still gets there)
 BACKOFF = 1.0       # seconds before the first retry, doubled after each failure, at most 60 (tests set 0)

@@ -22,7 +22,7 @@ from tqdm import tqdm
 from data import ByteBar, DownloadError, download_file, load_encoding, read_header, read_jsonl, write_shard
 
 BASE_URL = "https://huggingface.co/datasets/kjj0/finewebedu10B-gpt2/resolve/main"
-NUM_TRAIN_SHARDS = 99
+NUM_TRAIN_SHARDS = 99  # finewebedu_train_000001 ... 000099 of kjj0/finewebedu10B-gpt2
 
 
 def shard_names(train_shards):

@@ -34,7 +34,6 @@ from model import GPTConfig
 from train import MODEL_KEYS
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
-SWEEP_KEYS = ("seeds", "out_dir", "parallel", "budgets", "print")  # the rest of --key=value goes to train.py
 POLL = 0.2  # seconds between looks at the running processes
 
 
@@ -326,17 +325,18 @@ def describe(label, runs, ref_label, ref_full):
         out.update(paired_seeds=[r.seed for r in full if r.seed in ref_by_seed], delta_mean=d_mean, delta_ci95=d_ci,
                    resolved=None if d_ci is None else not d_ci[0] <= 0 <= d_ci[1])
     target = float(np.mean([r.final for r in ref_full]))
-    out.update(target=target, tokens_to_target=[tokens_to_target(r, target) for r in full],
-               token_ratio=token_ratio(ref_full, full), token_ratio_ci95=bootstrap(token_ratio, ref_full, full))
+    out.update(target=target, tokens_to_target=[tokens_to_target(r, target) for r in full])
     budgets = {}
     for r in runs:
         budgets.setdefault(r.max_steps * r.tokens_per_step, []).append(r)
     out["budgets"] = {str(t): {"max_steps": rs[0].max_steps, "seeds": sorted(r.seed for r in rs),
                                "mean_final_val_loss": float(np.mean([r.final for r in rs]))}
                       for t, rs in sorted(budgets.items())}
-    if len(budgets) > 1:
-        out.update(budget_ratio=budget_ratio(ref_full, budgets),
-                   budget_ratio_ci95=bootstrap(budget_ratio, ref_full, budgets))
+    if label != ref_label:  # the reference against itself would be 1 by definition
+        out.update(token_ratio=token_ratio(ref_full, full), token_ratio_ci95=bootstrap(token_ratio, ref_full, full))
+        if len(budgets) > 1:
+            out.update(budget_ratio=budget_ratio(ref_full, budgets),
+                       budget_ratio_ci95=bootstrap(budget_ratio, ref_full, budgets))
     return out
 
 
@@ -373,8 +373,8 @@ def markdown(rep):
         delta = "reference" if e["reference"] else f(e.get("delta_mean"), "+.4f")
         resolved = {True: "yes", False: "no", None: "–"}[e.get("resolved")]
         lines.append(f"| {label} | {len(e['seeds'])} | {f(e['mean'])} ± {f(e['std'])} | {ci(e['ci95'])} | {delta} | "
-                     f"{ci(e.get('delta_ci95'), '+.4f')} | {resolved} | {f(e['token_ratio'], '.3f')} | "
-                     f"{ci(e['token_ratio_ci95'], '.3f')} | {f(e.get('budget_ratio'), '.3f')} | "
+                     f"{ci(e.get('delta_ci95'), '+.4f')} | {resolved} | {f(e.get('token_ratio'), '.3f')} | "
+                     f"{ci(e.get('token_ratio_ci95'), '.3f')} | {f(e.get('budget_ratio'), '.3f')} | "
                      f"{ci(e.get('budget_ratio_ci95'), '.3f')} |")
     return "\n".join(lines)
 
@@ -444,6 +444,8 @@ def parse_args(argv):
     p.add_argument("--reference", default=None, help="the report's reference variant (default: the first)")
     p.add_argument("--out", default=None, help="the report's JSON (default: OUT_DIR/report.json)")
     args, rest = p.parse_known_args(argv)
+    args.configs += [a for a in rest if not a.startswith("-")]  # configs given after a train.py key
+    rest = [a for a in rest if a.startswith("-")]
     bad = [a for a in rest if not a.startswith("--") or "=" not in a]
     if bad:
         p.error(f"{bad[0]}: expected --key=value (a train.py key)")

@@ -24,6 +24,8 @@ VARIANT_FILES = sorted(f for f in glob.glob(os.path.join(CONFIG_DIR, "*.py")) if
 PAPER_VARIANTS = ["baseline", "gated", "resformer", "nuresformer_s", "nuresformer_h", "nuresformer_e",
                   "exoformer_s", "exoformer_h", "exoformer_e", "dyn_exo", "exoformer_e_nonorm",
                   "nuresformer_e_nonorm", "nkqr_e", "gated_1b", "dyn_exo_1b"]
+# the controls the paper's review asks for (not in the paper), a fixed list too
+CONTROLS = ["dyn_exo_frozen", "dyn_nuresformer_e", "nuresformer_e_1b", "exoformer_e_1b", "dyn_nuresformer_e_1b"]
 TINY = dict(n_layer=3, n_embd=32, n_head=2, block_size=32, vocab_size=64)
 
 
@@ -610,13 +612,15 @@ def test_readme_variant_table_is_true():
     config file builds (a fork's new config file needs no row)."""
     readme = open(os.path.join(ROOT, "README.md")).read()
     rows = dict(re.findall(r"^\|[^|]*\| `(\w+)\.py` \|.*\| ([\d,]+) \|$", readme, flags=re.M))
-    for name in PAPER_VARIANTS:
+    controls = re.findall(r"^\| control \(not in the paper\): [^|]*\| `(\w+)\.py` \|", readme, flags=re.M)
+    assert sorted(controls) == sorted(CONTROLS), "README.md: the variant table's controls"
+    for name in PAPER_VARIANTS + CONTROLS:
         assert name in rows, f"README.md: the variant table has no row for configs/{name}.py"
         with torch.device("meta"):
             n = GPT(file_config(os.path.join(CONFIG_DIR, name + ".py"))).num_params()
         assert n == int(rows[name].replace(",", "")), \
             f"README.md: configs/{name}.py builds {n:,} parameters, the table says {rows[name]}"
-    assert set(rows) <= set(PAPER_VARIANTS), f"README.md: rows for unknown files {set(rows) - set(PAPER_VARIANTS)}"
+    assert set(rows) <= set(PAPER_VARIANTS + CONTROLS), f"README.md: rows for unknown files {set(rows) - set(PAPER_VARIANTS)}"
 
 
 def test_readme_paper_to_code_table_points_at_its_lines():

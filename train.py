@@ -18,6 +18,7 @@ import json
 import math
 import os
 import random
+import re
 import signal
 import sys
 import time
@@ -124,8 +125,9 @@ POLAR_EXPRESS = [
     (3.285753657755655, -2.3681294933425376, 0.46449024233003106),
     (2.3465413258596377, -1.7097828382687081, 0.42323551169305323),
 ]
-POLAR_SAFETY = 1.02  # the Frobenius norm over-estimates the spectral norm less than 2%: Polar Express's margin
-POLAR_EPS = 1e-6  # and its guard against a zero matrix (both: Amsel et al., 2025, and the authors' train.py)
+POLAR_SAFETY = 1.02  # dividing by the Frobenius norm (>= the spectral one) puts the singular values in [0, 1];
+POLAR_EPS = 1e-6  # 2% more keeps them there through bf16 rounding, and eps guards a zero matrix (both: the
+#                   authors' train.py, after Amsel et al., 2025)
 NORMUON_EPS = 1e-10  # ours: a row (or column) whose update is all zero is divided by this, not by 0
 
 
@@ -541,7 +543,7 @@ def train(run, log, stop):
         if cfg.keep_every and run.step % cfg.keep_every == 0:
             keep(run)
         if stopping:
-            return stop.received
+            return stop.received or "a signal to another rank"
     return None
 
 
@@ -725,6 +727,16 @@ class StopSignals:
 
 # ----------------------------------------------------------------------------- main
 
+COLLECTIVE_ERRORS = ("gloo", "NCCL", "Timed out", "Connection closed", "Connection reset")  # their messages
+
+
+def collective_failure(e, world_size):
+    """The first line of e, without gloo's source location, when it is a failed collective; else None."""
+    text = str(e).strip()
+    if world_size == 1 or not (isinstance(e, dist.DistError) or any(w in text for w in COLLECTIVE_ERRORS)):
+        return None
+    return re.sub(r"^\[[^]]*\]\s*", "", text.splitlines()[0]) if text else type(e).__name__
+
 def main(argv):
     """configure, build, restore, the loop: returns the last train loss (eval_only: the validation loss)."""
     if wants_help(argv):
@@ -747,20 +759,24 @@ def main(argv):
         env.say(f"step {run.step}: val loss {val_loss:.4f} on the whole validation set")
         env.teardown(run.train_model if env.world_size > 1 else None)
         return val_loss
-    try:
-        with Log(run) as log, StopSignals() as stop:
-            log.start()
-            stopped_by = train(run, log, stop)
-    except dist.DistError as e:  # a collective timed out, or a peer went away
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        sys.exit(f"train.py: error: rank {env.rank}: a collective failed ({first}): another process died or "
-                 f"stopped answering (dist_timeout={cfg.dist_timeout} s); --init_from=auto resumes from "
-                 f"{run.ckpt_path}")
-    env.teardown(run.train_model if env.world_size > 1 else None)
+    with StopSignals() as stop:  # until the very end: a second signal during the teardown is only noted
+        try:
+            with Log(run) as log:
+                log.start()
+                stopped_by = train(run, log, stop)
+        except RuntimeError as e:  # gloo and NCCL raise RuntimeError (or its subclass DistError) when a peer is gone
+            why = collective_failure(e, env.world_size)
+            if why is None:
+                raise
+            sys.exit(f"train.py: error: rank {env.rank}: a collective failed ({why}): another process died or "
+                     f"stopped answering (dist_timeout={cfg.dist_timeout} s); --init_from=auto resumes from "
+                     f"{run.ckpt_path}")
+        if stopped_by:
+            print(f"train.py: rank {env.rank}: stopped after step {run.step} ({stopped_by}); {run.ckpt_path} holds "
+                  f"it: the same command with --init_from=auto continues the run (exit status {PREEMPTED})",
+                  file=sys.stderr, flush=True)
+        env.teardown(run.train_model if env.world_size > 1 else None)
     if stopped_by:
-        print(f"train.py: rank {env.rank}: stopped after step {run.step} ({stopped_by}); {run.ckpt_path} holds it: "
-              f"the same command with --init_from=auto continues the run (exit status {PREEMPTED})",
-              file=sys.stderr, flush=True)
         sys.exit(PREEMPTED)
     return run.train_loss
 

@@ -1,0 +1,222 @@
+"""Tests of sweep.py: the report's numbers on hand-written logs (against values computed here), a sweep stopped
+and started again, --print, and the refusals; and of the frozen-anchor control."""
+import json
+import math
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import torch
+
+import sweep
+import train
+from checkpoint import load_checkpoint
+from model import GPT, GPTConfig
+from test_train import ROOT, SMALL, data_dir, read_log  # noqa: F401  (data_dir: the toy shards fixture)
+
+GATED = dict(gate=True, anchor="none", mix="", granularity="scalar", anchor_norm=False, dynamic=False)
+DYN = dict(gate=True, anchor="exo", mix="qkvg", granularity="elementwise", anchor_norm=True, dynamic=True)
+TOKENS = 1000  # total_batch_size of the hand-written runs
+
+
+def write_run(root, name, model, seed, curve, **keys):
+    """A run directory as train.py leaves it: log.jsonl with a configuration record and evaluations
+    (curve: {step: val_loss}); max_steps is the last step."""
+    d = root / name
+    d.mkdir()
+    config = {**train.ALL_DEFAULTS, **model, "seed": seed, "out_dir": str(d), "total_batch_size": TOKENS,
+              "max_steps": max(curve), **keys}
+    lines = [{"step": 0, "config": config}] + [{"step": s, "val_loss": v} for s, v in sorted(curve.items())]
+    (d / "log.jsonl").write_text("".join(json.dumps(e) + "\n" for e in lines))
+    return str(d)
+
+
+def curve(final, mid=4.0):
+    return {0: 10.0, 10: mid, 20: final}
+
+
+def t975(df):
+    """The 0.975 quantile of Student's t with df degrees of freedom, from its density integrated here."""
+    x = np.linspace(0, 20, 400_001)
+    c = math.exp(math.lgamma((df + 1) / 2) - math.lgamma(df / 2)) / math.sqrt(df * math.pi)
+    pdf = c * (1 + x ** 2 / df) ** (-(df + 1) / 2)
+    cdf = np.concatenate([[0], np.cumsum((pdf[1:] + pdf[:-1]) / 2 * np.diff(x))])  # from 0: 0.475 at the quantile
+    return float(np.interp(0.475, cdf, x))
+
+
+def test_t_quantiles():
+    for df in list(range(1, 31)) + [40, 60, 120]:
+        q = sweep.T975[df - 1] if df <= 30 else 1.96 + 2.4 / df
+        assert q == pytest.approx(t975(df), abs=2e-3), df
+
+
+def test_report_numbers_on_hand_written_logs(tmp_path):
+    ref = [write_run(tmp_path, f"g{s}", GATED, s, curve(f)) for s, f in [(0, 3.0), (1, 3.2), (2, 3.1)]]
+    var = [write_run(tmp_path, f"d{s}", DYN, s, curve(f)) for s, f in [(0, 2.9), (1, 3.0), (3, 3.2)]]
+    rep, _ = sweep.report(ref + var)
+    g, d = rep["Gated Attention"], rep["Dynamic E-ExoFormer"]
+    assert g["reference"] and not d["reference"] and list(rep) == ["Gated Attention", "Dynamic E-ExoFormer"]
+    assert g["seeds"] == [0, 1, 2] and g["final_val_loss"] == [3.0, 3.2, 3.1] and g["runs"] == 3
+    assert g["mean"] == pytest.approx(3.1) and g["std"] == pytest.approx(statistics.stdev([3.0, 3.2, 3.1]))
+    half = t975(2) * statistics.stdev([3.0, 3.2, 3.1]) / math.sqrt(3)
+    assert g["ci95"] == pytest.approx([3.1 - half, 3.1 + half], abs=1e-3)
+    # paired by seed: seed 3 has no reference run, so the deltas are those of seeds 0 and 1
+    assert d["paired_seeds"] == [0, 1] and d["delta_mean"] == pytest.approx(-0.15)
+    half = t975(1) * statistics.stdev([-0.1, -0.2]) / math.sqrt(2)
+    assert d["delta_ci95"] == pytest.approx([-0.15 - half, -0.15 + half], abs=1e-3) and d["resolved"] is False
+    # tokens to the target 3.1: seed 0 crosses between step 10 (4.0) and 20 (2.9); seed 1 too; seed 3 never
+    assert d["target"] == pytest.approx(3.1)
+    t0, t1 = (10 + (4.0 - 3.1) / (4.0 - 2.9) * 10) * TOKENS, (10 + (4.0 - 3.1) / (4.0 - 3.0) * 10) * TOKENS
+    assert d["tokens_to_target"] == pytest.approx([t0, t1, None])
+    assert d["token_ratio"] == pytest.approx(20 * TOKENS / ((t0 + t1) / 2))
+    lo, hi = d["token_ratio_ci95"]
+    assert lo <= d["token_ratio"] <= hi and (lo, hi) == tuple(sweep.report(ref + var)[0]["Dynamic E-ExoFormer"]
+                                                               ["token_ratio_ci95"])  # a fixed RNG
+    assert "budget_ratio" not in d and "token_ratio" not in g  # one budget only; the reference is not compared
+
+
+def test_budgets_and_the_budget_matched_ratio(tmp_path):
+    ref = [write_run(tmp_path, f"g{s}", GATED, s, curve(3.1)) for s in range(2)]
+    full = [write_run(tmp_path, f"d{s}", DYN, s, curve(f)) for s, f in [(0, 2.95), (1, 3.05)]]  # mean 3.0
+    short = [write_run(tmp_path, f"d{s}_b", DYN, s, {0: 10.0, 5: 5.0, 10: f}) for s, f in [(0, 3.25), (1, 3.35)]]
+    rep, full_runs = sweep.report(ref + full + short)
+    d = rep["Dynamic E-ExoFormer"]
+    assert len(rep) == 2 and d["seeds"] == [0, 1] and d["max_steps"] == 20  # budgets are one variant
+    assert [r.max_steps for r in full_runs["Dynamic E-ExoFormer"]] == [20, 20]
+    assert d["budgets"] == {"10000": {"max_steps": 10, "seeds": [0, 1], "mean_final_val_loss": pytest.approx(3.3)},
+                            "20000": {"max_steps": 20, "seeds": [0, 1], "mean_final_val_loss": pytest.approx(3.0)}}
+    tokens = 10_000 + (3.3 - 3.1) / (3.3 - 3.0) * 10_000  # where the mean final loss reaches the target 3.1
+    assert d["budget_ratio"] == pytest.approx(20_000 / tokens)
+    assert d["budget_ratio_ci95"][0] <= d["budget_ratio"] <= d["budget_ratio_ci95"][1]
+    # a target below every budget's loss: no ratio, rather than an extrapolation
+    worse = [write_run(tmp_path, f"w{s}", DYN, s, {0: 10.0, 20: 3.5}, muon_lr=0.02) for s in range(2)]
+    worse += [write_run(tmp_path, f"w{s}_b", DYN, s, {0: 10.0, 10: 3.8}, muon_lr=0.02) for s in range(2)]
+    w = sweep.report(ref + worse)[0]["Dynamic E-ExoFormer"]
+    assert w["budget_ratio"] is None and w["token_ratio"] is None and w["tokens_to_target"] == [None, None]
+
+
+def test_variants_group_by_config_and_labels_tell_twins_apart(tmp_path):
+    runs = [write_run(tmp_path, f"a{s}", GATED, s, curve(3.0)) for s in range(2)]
+    runs += [write_run(tmp_path, f"b{s}", GATED, s, curve(3.1), muon_lr=0.02, log_interval=1) for s in range(2)]
+    runs += [write_run(tmp_path, "c0", DYN, 0, curve(3.0), eval_interval=5)]  # evaluation cadence: no matter
+    runs += [write_run(tmp_path, "c1", DYN, 1, curve(2.9))]
+    rep, _ = sweep.report(runs)
+    assert list(rep) == ["Gated Attention (muon_lr=0.01)", "Gated Attention (muon_lr=0.02)", "Dynamic E-ExoFormer"]
+    assert rep["Dynamic E-ExoFormer"]["seeds"] == [0, 1]
+    rep, _ = sweep.report(runs, reference="Dynamic E-ExoFormer")
+    assert rep["Dynamic E-ExoFormer"]["reference"] and list(rep)[0] == "Dynamic E-ExoFormer"
+    with pytest.raises(ValueError, match="--reference='Gated': no such variant; the variants are"):
+        sweep.report(runs, reference="Gated")
+
+
+def test_unfinished_runs_are_left_out_and_the_cli_writes_json_and_table(tmp_path, capsys):
+    ref = [write_run(tmp_path, f"g{s}", GATED, s, curve(3.1)) for s in range(2)]
+    cut = write_run(tmp_path, "d0", DYN, 0, curve(3.0))
+    with open(os.path.join(cut, "log.jsonl"), "a") as f:  # resumed for 10 more steps, cut after step 25
+        f.write(json.dumps({"step": 20, "config": {**train.ALL_DEFAULTS, **DYN, "seed": 0, "max_steps": 30,
+                                                   "total_batch_size": TOKENS}}) + "\n")
+        f.write(json.dumps({"step": 25, "val_loss": 2.8}) + "\n" + '{"step": 26, "val_l')  # a crash mid-line
+    out = tmp_path / "r" / "report.json"
+    sweep.main(["--report", *ref, cut, f"--out={out}"])
+    printed = capsys.readouterr()
+    assert "d0: not finished (evaluated up to step 25 of 30), left out" in printed.err
+    assert printed.out.splitlines()[0].startswith("| variant | seeds | final val loss")
+    assert "| Gated Attention | 2 | 3.1000 ± 0.0000 |" in printed.out
+    assert json.loads(out.read_text())["Gated Attention"]["final_val_loss"] == [3.1, 3.1]
+    with pytest.raises(SystemExit, match="sweep.py: error: .*nothing: no log.jsonl"):
+        sweep.main(["--report", str(tmp_path / "nothing")])
+
+
+# ----------------------------------------------------------------------------- running
+
+def sweep_cmd(data_dir, out, *extra):
+    common = [a for a in SMALL if not a.startswith("configs/")] + [f"--data_dir={data_dir}", "--max_steps=12",
+                                                                    "--ckpt_interval=4", "--eval_interval=4"]
+    return [sys.executable, "sweep.py", "configs/gated.py", "configs/dyn_exo.py", "--seeds=0,1", f"--out_dir={out}",
+            *common, *extra]
+
+
+def running(name):
+    """Whether a process whose command line holds `name` is running (Linux: /proc)."""
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if name.encode() in f.read() and int(pid) != os.getpid():
+                    return True
+        except OSError:
+            pass
+    return False
+
+
+def test_a_sweep_stopped_in_its_third_run_and_started_again_redoes_nothing(data_dir, tmp_path):
+    straight, out = str(tmp_path / "straight"), str(tmp_path / "stopped")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    r = subprocess.run(sweep_cmd(data_dir, straight), cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert "[4/4] done dyn_exo_s1" in r.stdout and "| Gated Attention | 2 |" in r.stdout
+    proc = subprocess.Popen(sweep_cmd(data_dir, out, "--log_interval=1"), cwd=ROOT, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    third = os.path.join(out, "gated_s1", "log.jsonl")  # the order: seed 0 of both variants, then seed 1
+    deadline = time.time() + 300
+    while time.time() < deadline and not (os.path.exists(third) and len(read_log(os.path.dirname(third))) >= 3):
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGKILL)  # the sweep dies at once; its run is told to stop (SIGTERM), and does
+    proc.communicate(timeout=60)
+    while time.time() < deadline and running("gated_s1"):
+        time.sleep(0.05)
+    stopped_at = load_checkpoint(os.path.join(out, "gated_s1", "ckpt.pt"))["step"]
+    assert 2 <= stopped_at < 12 and not os.path.exists(os.path.join(out, "dyn_exo_s1"))
+    r = subprocess.run(sweep_cmd(data_dir, out), cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    lines = r.stdout.splitlines()
+    assert "skip gated_s0: finished (step 12)" in lines and "skip dyn_exo_s0: finished (step 12)" in lines
+    assert [line.split()[2] for line in lines if " start " in line] == ["gated_s1", "dyn_exo_s1"]
+    assert f"resuming from {out}/gated_s1/ckpt.pt at step {stopped_at}" in open(f"{out}/gated_s1/train.out").read()
+    for run in ("gated_s0", "dyn_exo_s0", "gated_s1", "dyn_exo_s1"):
+        a, b = load_checkpoint(f"{straight}/{run}/ckpt.pt"), load_checkpoint(f"{out}/{run}/ckpt.pt")
+        assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"]), run
+        assert read_log(f"{straight}/{run}")[-1]["val_loss"] == read_log(f"{out}/{run}")[-1]["val_loss"]
+
+
+def test_print_gives_runnable_commands_and_bad_input_is_refused_before_any_run(data_dir, tmp_path):
+    out = tmp_path / "sw"
+    r = subprocess.run(sweep_cmd(data_dir, out, "--print", "--budgets=0.5,1"), cwd=ROOT, capture_output=True,
+                       text=True, timeout=120)
+    commands = r.stdout.splitlines()
+    assert r.returncode == 0 and len(commands) == 8 and not out.exists()  # 2 variants x 2 seeds x 2 budgets
+    assert commands[0].endswith(f"--seed=0 --out_dir={out}/gated_b0.5_s0 --init_from=auto") and \
+        "--max_steps=6" in commands[0] and "--max_steps=12" not in commands[0]
+    r = subprocess.run(commands[0], shell=True, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and load_checkpoint(f"{out}/gated_b0.5_s0/ckpt.pt")["step"] == 6, r.stderr[-2000:]
+    for extra, message in [(["--n_layers=3"], "unknown key 'n_layers' (did you mean n_layer?)"),
+                           (["--seed=3"], "--seed=3: the sweep sets it for every run (use --seeds)"),
+                           (["--budgets=0.5"], "1 among them"),
+                           (["configs/nope.py"], "configs/nope.py: no config file configs/nope.py"),
+                           (["--data_dir=/nonexistent"], "/nonexistent: data directory not found")]:
+        r = subprocess.run(sweep_cmd(data_dir, tmp_path / "bad", *extra), cwd=ROOT, capture_output=True, text=True,
+                           timeout=120)
+        assert r.returncode == 2 if extra[0].startswith(("--seed", "--budgets")) else r.returncode == 1
+        assert message in r.stderr.strip().splitlines()[-1] and not (tmp_path / "bad").exists(), r.stderr
+
+
+# ----------------------------------------------------------------------------- the frozen-anchor control
+
+def test_frozen_anchors_stay_at_their_initialisation_and_everything_else_trains(data_dir, tmp_path, capsys):
+    out = str(tmp_path / "frozen")
+    train.main(["configs/dyn_exo_frozen.py"] + SMALL[1:] + [f"--data_dir={data_dir}", f"--out_dir={out}",
+                                                            "--max_steps=4"])
+    assert "frozen at its random initialisation (no gradient, in no optimiser): anchor_proj.weight" in \
+        capsys.readouterr().out
+    ckpt = load_checkpoint(f"{out}/ckpt.pt")
+    torch.manual_seed(ckpt["config"]["seed"])  # train.py seeds right before it builds the model
+    init = GPT(GPTConfig.from_dict(ckpt["model_config"])).state_dict()
+    assert GPTConfig.from_dict(ckpt["model_config"]).name == "Dynamic E-ExoFormer (frozen anchors)"
+    assert torch.equal(ckpt["model"]["anchor_proj.weight"], init["anchor_proj.weight"])
+    moved = [k for k in init if k != "anchor_proj.weight" and not torch.equal(ckpt["model"][k], init[k])]
+    assert sorted(moved) == sorted(k for k in init if k != "anchor_proj.weight")
+    assert set(ckpt["model"]) == set(GPT(GPTConfig(**{**ckpt["model_config"], "anchor_frozen": False})).state_dict())
