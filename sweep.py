@@ -273,7 +273,11 @@ def budget_ratio(ref_runs, budgets):
 
 def bootstrap(statistic, *groups, seed=0):
     """95% percentile interval of statistic(*groups) over BOOTSTRAP resamples, each group's runs resampled with
-    replacement on its own; resamples where the statistic is undefined (None) are left out. None if too few."""
+    replacement on its own; resamples where the statistic is undefined (None) are left out. None if too few,
+    or if a group has a single run (nothing to resample)."""
+    sizes = [len(r) for g in groups for r in (g.values() if isinstance(g, dict) else [g])]
+    if min(sizes) < 2:
+        return None
     rng, values = np.random.default_rng(seed), []
     for _ in range(BOOTSTRAP):
         value = statistic(*[resample(g, rng) for g in groups])
