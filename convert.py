@@ -2,16 +2,21 @@
 Turn a checkpoint into a weights-only checkpoint of this code: `model` (fp32 state dict), `model_config`,
 `step` and a `source` note, which eval.py, `train.py --eval_only` and model.load_model read as they are.
 
+    python convert.py --list Jonnester                                         # the authors' checkpoints on the Hub
     python convert.py Jonnester/Baseline --out out/authors_baseline/ckpt.pt    # the authors' release
     python convert.py Jonnester/Baseline/ckpt_step:38146.pt --out ...           # REPO/FILENAME
     python convert.py path/to/ckpt_step:38146.pt --out ...                     # a local file
     python convert.py out/ckpt.pt --out out/export/ckpt.pt                     # ours: drop the optimiser state
 
 The authors' format (their train.py) holds `model` (their state dict: bf16 Linear/Embedding weights,
-keys maybe prefixed `_orig_mod.`) and `model_args` (their ModelConfig). Four versions of their model
-file wrote such files, with different names for the same tensors; their_config reads the variant from
-the flags and the tensors present, from_authors maps the names. Everything is read with
-torch.load(weights_only=True): a checkpoint can never run code.
+keys maybe prefixed `_orig_mod.`) and `model_args` (their ModelConfig). Five versions of their model
+file (oldmodels/model1..4.py, model.py) wrote such files, with different names for the same tensors;
+their_config reads the variant from the flags and the tensors present, from_authors maps the names.
+Everything is read with torch.load(weights_only=True): a checkpoint can never run code.
+
+The Hub is read through its public JSON API (data.get_json): GET /api/models?author=USER lists a user's
+repositories, GET /api/models/OWNER/NAME?blobs=true a repository's files and their sizes, and files come from
+/OWNER/NAME/resolve/main/FILENAME (data.download_file).
 """
 import argparse
 import glob
@@ -24,12 +29,11 @@ from dataclasses import asdict
 import torch
 
 from configurator import load_config
-from data import ByteBar, DownloadError, download_file
+from data import ByteBar, DownloadError, download_file, get_json
 from checkpoint import check_state, load_checkpoint, save_checkpoint
 from model import GRANULARITY_SHAPES, PROJECTIONS, GPTConfig
 
 HF_URL = "https://huggingface.co"
-HF_FILE = "ckpt_step:38146.pt"  # the one file of each of the authors' repositories
 CACHE_DIR = "data/authors"
 ROOT = os.path.dirname(os.path.abspath(__file__))
 
@@ -59,8 +63,8 @@ RENAMES = [(re.compile(theirs), ours) for theirs, ours in [
      r"blocks.\1.attn.dyn.\2"),
     (r"transformer\.layers\.(\d+)\.mlp\.(fc1|fc2)\.weight", r"blocks.\1.mlp.\2.weight"),
 ]]
-# Norms of internal v/g anchors: in every layer (their model2.py, `v_norm`) or in layer 0 only (their
-# latest model.py, `v_res_norm`). Only layer 0's is applied, so only it becomes our anchor_norms.{v,g}.
+# Norms of internal v/g anchors: in every layer (their model2.py, `v_norm`) or in layer 0 only (their model3.py,
+# model4.py and model.py, `v_res_norm`). Only layer 0's is applied, so only it becomes our anchor_norms.{v,g}.
 INTERNAL_NORM = re.compile(r"transformer\.layers\.(\d+)\.attn\.([vg])_(?:res_)?norm\.weight")
 THEIR_LAMBDA = {"scalar": lambda H, D: (), "headwise": lambda H, D: (H,), "elementwise": lambda H, D: (H, D)}
 
@@ -80,32 +84,44 @@ def their_config(ckpt, sd, source):
                              f"{field}={value!r}, so it cannot run this model")
     gate = bool(args["gated_attention_enabled"])
     mix = "".join(s for s in PROJECTIONS if args[RES_FLAGS[s]] and (s != "g" or gate))
-    dynamic = any(".attn.dynamic_mixing." in k for k in sd)
-    if "anchor_proj.weight" in sd:
-        anchor = "exo"
-        normed = {s for s in mix if f"anchor_{s}_norm.weight" in sd}
-        mismatch = f"anchor norms for {''.join(s for s in mix if s in normed)} only, of mixed {mix}"
-    elif mix:
-        anchor = "internal"
-        flags = {s: args[f"{s}_residual_norm_enabled"] for s in mix if f"{s}_residual_norm_enabled" in args}
-        if flags:  # their latest model.py: one flag per projection
-            normed = {s for s, on in flags.items() if on}
-            mismatch = ", ".join(f"{s}_residual_norm_enabled={on}" for s, on in flags.items())
-        else:  # model1.py (raw anchors) or model2.py (normalised v and g, a norm in every layer)
-            normed = set(mix) if any(INTERNAL_NORM.fullmatch(k) for k in sd) else set()
-            mismatch = ""
-    else:
-        anchor, normed, mismatch = "none", set(), ""
-    if normed and normed != set(mix):
-        raise ValueError(f"{source}: {mismatch}: model.py normalises every mixed anchor or none")
+    anchor = "exo" if "anchor_proj.weight" in sd else "internal" if mix else "none"
     try:
         return GPTConfig(block_size=args["block_size"], vocab_size=args["vocab_size"], n_layer=args["n_layer"],
                          n_head=args["n_head"], n_embd=args["n_embd"], rope_theta=float(args["rope_theta"]),
                          gate=gate, anchor=anchor, mix=mix,
                          granularity=args["residual_mode"] if mix else "scalar",  # no λ: as configs/ say
-                         anchor_norm=bool(normed), dynamic=dynamic)
+                         anchor_norm=anchor_normalised(args, sd, anchor, mix, source),
+                         dynamic=any(".attn.dynamic_mixing." in k for k in sd))
     except ValueError as e:
         raise ValueError(f"{source}: {e}") from None
+
+
+def anchor_normalised(args, sd, anchor, mix, source):
+    """Whether the mixed anchors are RMS-normalised: only the tensors say. Every one of their model files declares
+    q/k/v/g_residual_norm_enabled (default True), but model1.py and model2.py never read them: a model1 ResFormer,
+    NKQR or OQKRN file says v_residual_norm_enabled=True and mixes raw anchors. The flags count only where they
+    disagree with each other: model3.py, model4.py and model.py normalise per flag, and some anchors normalised,
+    some not, is a model model.py does not implement."""
+    if anchor == "none":
+        return False
+    if anchor == "exo":  # model3/4.py and model.py: anchor_{s}_norm exactly where the flag is on
+        normed = {s for s in mix if f"anchor_{s}_norm.weight" in sd}
+    else:
+        found = [m for m in map(INTERNAL_NORM.fullmatch, sd) if m]
+        if any("_res_" not in m[0] for m in found):  # model2.py: v_norm in every layer, normalised whatever the flags
+            return True
+        normed = {m[2] for m in found if m[1] == "0"}  # model3/4.py, model.py: {v,g}_res_norm in layer 0, per flag
+        if normed:  # a file of those: its q, k anchors go through layer 1's QK-norm (no tensor of their own), so
+            normed |= set("qk")  # a model.py file mixing only q, k with v_residual_norm_enabled=False reads as raw
+        flags = {s: args[f"{s}_residual_norm_enabled"] for s in mix if f"{s}_residual_norm_enabled" in args}
+        if len(set(flags.values())) > 1:
+            detail = ", ".join(f"{s}_residual_norm_enabled={on}" for s, on in flags.items())
+            raise ValueError(f"{source}: {detail}: model.py normalises every mixed anchor or none")
+        normed &= set(mix)
+    if normed and normed != set(mix):
+        raise ValueError(f"{source}: anchor norms for {''.join(s for s in PROJECTIONS if s in normed)} only, "
+                         f"of mixed {mix}: model.py normalises every mixed anchor or none")
+    return bool(normed)
 
 
 def from_authors(ckpt, source):
@@ -149,17 +165,23 @@ def from_ours(ckpt, source):
     return GPTConfig.from_dict(ckpt["model_config"], f"{source}: model_config"), ckpt["model"]
 
 
+def model_configs():
+    """(path, GPTConfig) of every model description in configs/ (files with training settings too are not)."""
+    files = []
+    for path in sorted(glob.glob(os.path.join(ROOT, "configs", "*.py"))):
+        try:
+            files.append((os.path.relpath(path, ROOT), GPTConfig(**load_config([path], asdict(GPTConfig())))))
+        except ValueError:
+            continue
+    return files
+
+
 def config_file(config):
     """(path, True) for the file of configs/ that builds this model (vocab_size aside), else (path, False)
     for one of the same variant at another size, else (None, False)."""
     exact = lambda c: {**asdict(c), "mix": c.mixed, "vocab_size": None}
     variant = lambda c: (c.gate, c.anchor, c.mixed, c.granularity, c.anchor_norm, c.dynamic)
-    files = []
-    for path in sorted(glob.glob(os.path.join(ROOT, "configs", "*.py"))):
-        try:
-            files.append((os.path.relpath(path, ROOT), GPTConfig(**load_config([path], asdict(GPTConfig())))))
-        except ValueError:  # a file with training settings too: not a model description
-            continue
+    files = model_configs()
     for same, key in ((True, exact), (False, variant)):
         for path, c in files:
             if key(c) == key(config):
@@ -174,22 +196,115 @@ def complete_zip(path):
         raise ValueError(f"not a complete torch.save file ({path})")
 
 
+# ----------------------------------------------------------------------------- the Hub
+
+STEP_FILE = re.compile(r"ckpt_step:(\d+)\.pt")  # their train.py saves out_dir/ckpt_step:{step}.pt
+NAMED_FILES = ("final_model.pt", "checkpoint.pt")  # looked for before ckpt_step:N.pt (their loader: ckpt_file_name)
+# the authors' names for the variants (their README) that are not the paper's names of configs/ (GPTConfig.name)
+AUTHORS_NAMES = {"Gated": "configs/gated.py", "NKQR": "configs/nkqr_e.py", "NuResFormer-NKQR-E": "configs/nkqr_e.py",
+                 "OQKRN": "configs/nuresformer_e_nonorm.py", "NuResFormer-OQKRN-E": "configs/nuresformer_e_nonorm.py"}
+OFFLINE = "copy a checkpoint of {} into {} from a machine with internet"  # what to do without internet
+
+
+def checkpoint_files(names):
+    """The checkpoint files among a repository's, best first, as the authors' loader (their utils.get_model) picks
+    one: the named file it is given (here final_model.pt, then checkpoint.pt), else the highest ckpt_step:N.pt,
+    by N."""
+    steps = sorted((n for n in names if STEP_FILE.fullmatch(n)), key=lambda n: -int(STEP_FILE.fullmatch(n)[1]))
+    return [n for n in NAMED_FILES if n in names] + steps
+
+
+def pick_checkpoint(repo, names):
+    files = checkpoint_files(names)
+    if not files:
+        raise ValueError(f"{repo}: no checkpoint ({', '.join(NAMED_FILES)} or ckpt_step:N.pt) among its files: "
+                         f"{', '.join(sorted(names)) or 'none'}")
+    return files[0]
+
+
+def hub_files(repo, base_url=HF_URL, cache_dir=CACHE_DIR):
+    """{filename: size in bytes, None if not said} of a Hub model repository. GET /api/models/REPO lists the files
+    (siblings[].rfilename); blobs=true adds each one's size, so one request per repository tells both."""
+    url = f"{base_url.rstrip('/')}/api/models/{repo}"
+    info = get_json(url, {"blobs": "true"}, OFFLINE.format(repo, os.path.join(cache_dir, repo)))
+    siblings = info.get("siblings") if isinstance(info, dict) else None
+    if not isinstance(siblings, list) or not all(isinstance(f, dict) and "rfilename" in f for f in siblings):
+        raise ValueError(f"{url}: expected a JSON object whose 'siblings' are objects with an 'rfilename'")
+    return {f["rfilename"]: f.get("size") for f in siblings}
+
+
+def hub_repos(user, base_url=HF_URL):
+    """The model repositories OWNER/NAME of a Hub user: GET /api/models?author=USER (one page, sorted)."""
+    url = f"{base_url.rstrip('/')}/api/models?author={urllib.parse.quote(user)}"
+    repos = get_json(url, None, "list them on a machine with internet")
+    if not isinstance(repos, list) or not all(isinstance(r, dict) and "id" in r for r in repos):
+        raise ValueError(f"{url}: expected a JSON list of objects with an 'id'")
+    return sorted(r["id"] for r in repos)
+
+
+def variant_of(repo, cache_dir=CACHE_DIR):
+    """(variant, how we know) of a repository without downloading it: the variant of a checkpoint of it in the
+    cache, read from its tensors; else the paper's or the authors' name of a variant that its name spells
+    (case and punctuation aside); else (None, None)."""
+    cached = cached_checkpoint(repo, cache_dir)
+    if cached:
+        ckpt = load_checkpoint(cached, keys=("model",), mmap=True)
+        config = (from_ours if "model_config" in ckpt else from_authors)(ckpt, cached)[0]
+        return f"{config.name} ({config_file(config)[0] or 'no file in configs/'})", f"read from {cached}"
+    spell = lambda name: re.sub(r"[^a-z0-9]", "", name.lower())
+    configs = model_configs()
+    names = {spell(c.name): (c.name, path) for path, c in reversed(configs)}  # the first file of a name wins
+    names.update({spell(n): (dict(configs)[path].name, path) for n, path in AUTHORS_NAMES.items()})
+    hit = names.get(spell(repo.split("/")[-1]))
+    return (f"{hit[0]} ({hit[1]})", "by its name") if hit else (None, None)
+
+
+def cached_checkpoint(repo, cache_dir):
+    """The best complete checkpoint of repo downloaded before into cache_dir/OWNER/NAME, or None."""
+    folder = os.path.join(cache_dir, repo)
+    files = checkpoint_files([n for n in os.listdir(folder) if zipfile.is_zipfile(os.path.join(folder, n))]
+                             if os.path.isdir(folder) else [])
+    return os.path.join(folder, files[0]) if files else None
+
+
+def list_user(user, base_url=HF_URL, cache_dir=CACHE_DIR):
+    """Print and return each repository of a Hub user: its checkpoint files and sizes, the one convert.py takes,
+    and its variant where the name or a downloaded file tells it."""
+    found = []
+    for repo in hub_repos(user, base_url):
+        files = hub_files(repo, base_url, cache_dir)
+        ckpts = checkpoint_files(files)
+        variant, how = variant_of(repo, cache_dir)
+        print(f"{repo}: {variant + ', ' + how if variant else 'variant ?'}")
+        for name in ckpts:
+            size = "size ?" if files[name] is None else f"{files[name] / 1e6:,.1f} MB"
+            taken = f"   <- convert.py {repo} takes this one" if name == ckpts[0] else ""
+            print(f"    {name:<24} {size:>12}{taken}")
+        if not ckpts:
+            print(f"    no checkpoint; its files: {', '.join(sorted(files)) or 'none'}")
+        found.append({"repo": repo, "files": {n: files[n] for n in ckpts}, "pick": ckpts[0] if ckpts else None,
+                      "variant": variant})
+    print(f"{len(found)} repositories of {user}, {sum(r['pick'] is not None for r in found)} with a checkpoint")
+    return found
+
+
 def fetch(src, cache_dir=CACHE_DIR, base_url=HF_URL):
-    """(local path, label) of SRC: the file itself, or the Hugging Face file OWNER/REPO[/FILENAME]
-    downloaded once into cache_dir/OWNER/REPO/FILENAME (resumable, size-checked, renamed when complete)."""
+    """(local path, label) of SRC: the file itself, or the Hub file OWNER/NAME[/FILENAME] downloaded once into
+    cache_dir/OWNER/NAME/FILENAME (resumable, size-checked, renamed when complete). For OWNER/NAME: a checkpoint
+    of it downloaded before, else the one the Hub's listing offers first (checkpoint_files)."""
     if os.path.isfile(src):
         return src, src
     parts = src.split("/")
     if len(parts) < 2 or "" in parts or parts[0] in (".", "..") or (len(parts) == 2 and src.endswith(".pt")):
         raise FileNotFoundError(f"{src}: no such file, and not a Hugging Face repository OWNER/NAME[/FILENAME]")
-    repo, filename = "/".join(parts[:2]), "/".join(parts[2:]) or HF_FILE
+    repo, filename = "/".join(parts[:2]), "/".join(parts[2:])
+    if not filename:
+        cached = cached_checkpoint(repo, cache_dir)
+        filename = os.path.basename(cached) if cached else pick_checkpoint(repo, hub_files(repo, base_url, cache_dir))
     dest = os.path.join(cache_dir, repo, filename)
-    try:
-        complete_zip(dest)
+    if zipfile.is_zipfile(dest):  # False for a missing file too
         print(f"{dest}: downloaded before, not fetched again")
         return dest, f"{repo}/{filename}"
-    except ValueError:
-        pass
     os.makedirs(os.path.dirname(dest), exist_ok=True)
     url = f"{base_url.rstrip('/')}/{repo}/resolve/main/{urllib.parse.quote(filename)}"  # ':' -> %3A
     bar = ByteBar(desc=filename)
@@ -234,14 +349,23 @@ def convert(src, out, cache_dir=CACHE_DIR, base_url=HF_URL):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description="Write a weights-only checkpoint of this code from one of the "
-                                            "authors' released checkpoints or from one of ours.")
-    p.add_argument("src", help=f"a local checkpoint, or a Hugging Face repository OWNER/NAME[/FILENAME] "
-                               f"(default file {HF_FILE})")
-    p.add_argument("--out", required=True, help="the checkpoint to write, e.g. out/authors_baseline/ckpt.pt")
+                                            "authors' released checkpoints or from one of ours; or list a Hub "
+                                            "user's checkpoints.")
+    p.add_argument("src", nargs="?", help="a local checkpoint, or a Hugging Face repository OWNER/NAME[/FILENAME] "
+                                          "(without FILENAME: final_model.pt, checkpoint.pt or the highest "
+                                          "ckpt_step:N.pt it has)")
+    p.add_argument("--out", help="the checkpoint to write, e.g. out/authors_baseline/ckpt.pt")
+    p.add_argument("--list", metavar="USER", help="list USER's Hub repositories, their checkpoints and variants")
     p.add_argument("--cache_dir", default=CACHE_DIR, help="where downloads are kept: CACHE_DIR/OWNER/NAME/FILENAME")
     p.add_argument("--base_url", default=HF_URL, help="the Hugging Face Hub, or a mirror with its URL layout")
     args = p.parse_args(argv)
+    if args.list is not None and (args.src or args.out):
+        p.error("--list USER takes no SRC and no --out")
+    if args.list is None and not (args.src and args.out):
+        p.error("expected SRC and --out PATH (or --list USER)")
     try:
+        if args.list is not None:
+            return list_user(args.list, args.base_url, args.cache_dir)
         return convert(args.src, args.out, args.cache_dir, args.base_url)
     except (ValueError, OSError, DownloadError) as e:
         raise SystemExit(f"convert.py: error: {e}")

@@ -10,6 +10,8 @@ Data comes from the Hugging Face dataset-viewer JSON API and is cached as one JS
 split under --data_dir; a cached (or dropped-in) file is used as is, without any network access.
 """
 import argparse
+import difflib
+import functools
 import json
 import math
 import os
@@ -25,8 +27,9 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from checkpoint import Runtime, load_model
+from checkpoint import Runtime, check_checkpoint, load_model
 from data import DownloadError, atomic_write, get_json, load_encoding, read_jsonl
+from model import generate
 
 # -----------------------------------------------------------------------------
 # The tasks: one small function per task turns a dataset row into (question, choices, gold)
@@ -173,8 +176,9 @@ def encode_pair(enc, context, continuation):
 
 
 @torch.no_grad()
-def loglikelihoods(model, pairs, batch_size=32, dtype=torch.float32, desc=None):
-    """log p(continuation | context) for each (context_ids, continuation_ids) pair, in input order.
+def loglikelihoods(model, pairs, batch_size=32, dtype=torch.float32, desc=None, greedy=False):
+    """log p(continuation | context) for each (context_ids, continuation_ids) pair, in input order; with greedy,
+    (log p, whether every continuation token is the argmax), the harness's (loglikelihood, is_greedy).
 
     Each request is left-truncated to the model's block size exactly like the harness:
     input = (ctx + cont)[-(block_size + 1):][:-1], whose last len(cont) positions predict cont.
@@ -197,7 +201,7 @@ def loglikelihoods(model, pairs, batch_size=32, dtype=torch.float32, desc=None):
     reqs = list(index)
     order = sorted(range(len(reqs)), key=lambda i: -len(reqs[i][0]))
     amp = Runtime(str(device), dtype).autocast()
-    lls = [0.0] * len(reqs)
+    lls = [None] * len(reqs)
     with tqdm(total=len(reqs), desc=desc, unit="req", disable=desc is None) as bar:
         for s in range(0, len(order), batch_size):
             batch = [reqs[i] for i in order[s:s + batch_size]]
@@ -210,10 +214,13 @@ def loglikelihoods(model, pairs, batch_size=32, dtype=torch.float32, desc=None):
                 rows = torch.cat([h[r, len(inp) - len(cont):len(inp)] for r, (inp, cont) in enumerate(batch)])
                 logits = model.lm_head(rows)
             targets = torch.tensor([t for _, cont in batch for t in cont], device=device)
-            logp = F.log_softmax(logits.float(), dim=-1).gather(-1, targets[:, None])[:, 0]  # float32, whatever autocast
-            sums = [part.sum() for part in logp.split([len(cont) for _, cont in batch])]  # float32, as the harness
-            for i, ll in zip(order[s:s + batch_size], torch.stack(sums).tolist()):
-                lls[i] = ll
+            logits = logits.float()  # float32, whatever autocast
+            logp = F.log_softmax(logits, dim=-1).gather(-1, targets[:, None])[:, 0]
+            lens = [len(cont) for _, cont in batch]
+            sums = torch.stack([part.sum() for part in logp.split(lens)]).tolist()  # float32 sums, as the harness
+            hits = [bool(part.all()) for part in (logits.argmax(-1) == targets).split(lens)]
+            for i, ll, hit in zip(order[s:s + batch_size], sums, hits):
+                lls[i] = (ll, hit) if greedy else ll
             bar.update(len(batch))
     return [lls[j] for j in which]
 
@@ -258,6 +265,114 @@ def evaluate_task(task, docs, pool, enc, model, shots=5, batch_size=32, dtype=to
         print(f"note: {task}: {short} docs got fewer than {shots} shots because copies of themselves were drawn "
               f"(the harness does the same)", file=sys.stderr)
     return res, len(pairs)
+
+
+# -----------------------------------------------------------------------------
+# lm-evaluation-harness: any of its tasks on a checkpoint. Optional: only HarnessLM needs lm-eval installed.
+
+HARNESS_PIP = "lm-eval==0.4.13"  # the version .ci/run tests against
+MAX_GEN_TOKS = 256  # the harness's default max_gen_toks (lm_eval's HFLM)
+
+
+def check_options(config, enc, ckpt, drop_anchor=False):
+    """A one-line ValueError for a tokenizer with ids the checkpoint has no rows for, or for anchor removal
+    (§4.5) on a model without anchors."""
+    if enc.max_token_value >= config.vocab_size:
+        raise ValueError(f"--tokenizer: token ids up to {enc.max_token_value} but {ckpt} has "
+                         f"vocab_size={config.vocab_size}")
+    if drop_anchor and config.anchor == "none":
+        raise ValueError(f"--drop_anchor: {ckpt} has no anchors (anchor='none')")
+
+
+class HarnessModel:
+    """What HarnessLM adds to lm-evaluation-harness's lm_eval.api.model.LM: a checkpoint of this code as a harness
+    model, for lm_eval.simple_evaluate(model=HarnessLM("out/ckpt.pt"), tasks=[...]):
+      loglikelihood          eval.py's batched scorer (loglikelihoods), the harness's context/continuation split;
+      loglikelihood_rolling  the harness's rolling windows of block_size tokens after <|endoftext|>, same scorer;
+      generate_until         model.py's generate with its KV cache, one request at a time, ended by the stop
+                             sequences (and <|endoftext|>); greedy unless do_sample with a temperature.
+    Every result also goes to the harness's cache hook (its use_cache). Device and autocast dtype as in eval.py
+    (checkpoint.Runtime). Document masking, with which the checkpoint may have been trained
+    (checkpoint.trained_doc_mask), changes nothing here: a request's only <|endoftext|> is its first token, the
+    harness's prefix, if any, and a window whose only <|endoftext|> comes first is a single document."""
+
+    def __init__(self, ckpt, tokenizer=None, batch_size=32, device=None, dtype=None, drop_anchor=False):
+        super().__init__()  # the harness's LM: rank, world size, cache hook
+        self.runtime = Runtime.pick(device, dtype)
+        self._device = self.runtime.device
+        self.enc = load_encoding(tokenizer)
+        self.model = load_model(ckpt, self.runtime.device)[0]
+        check_options(self.model.config, self.enc, ckpt, drop_anchor)
+        self.model.drop_anchor = drop_anchor
+        self.batch_size = int(batch_size)
+
+    def _score(self, pairs, desc):
+        return loglikelihoods(self.model, pairs, self.batch_size, self.runtime.dtype, desc=desc, greedy=True)
+
+    def _cached(self, kind, requests, results):
+        for r, result in zip(requests, results):
+            self.cache_hook.add_partial(kind, r.args, result)
+        return results
+
+    def loglikelihood(self, requests, disable_tqdm=False):
+        pairs = [encode_pair(self.enc, context, continuation) for context, continuation in (r.args for r in requests)]
+        return self._cached("loglikelihood", requests, self._score(pairs, None if disable_tqdm else "loglikelihood"))
+
+    def loglikelihood_rolling(self, requests, disable_tqdm=False):
+        from lm_eval.utils import get_rolling_token_windows, make_disjoint_window  # there: HarnessLM is its LM
+        windows, owners = [], []
+        for n, r in enumerate(requests):
+            ids = self.enc.encode_ordinary(r.args[0])
+            for w in get_rolling_token_windows(ids, self.enc.eot_token, self.model.config.block_size, 1):
+                windows.append(make_disjoint_window(w))
+                owners.append(n)
+        totals = [0.0] * len(requests)
+        for n, (ll, _) in zip(owners, self._score(windows, None if disable_tqdm else "loglikelihood_rolling")):
+            totals[n] += ll
+        return self._cached("loglikelihood_rolling", requests, totals)
+
+    def generate_until(self, requests, disable_tqdm=False):
+        texts = [self.generate_one(context, kwargs)
+                 for context, kwargs in tqdm([r.args for r in requests], desc="generate_until", disable=disable_tqdm)]
+        return self._cached("generate_until", requests, texts)
+
+    def generate_one(self, context, gen_kwargs):
+        """The continuation of context up to (not including) the first stop sequence, as the harness's HFLM: the
+        context is cut on the left to leave max_gen_toks positions in the block."""
+        until = gen_kwargs.get("until") or []
+        until = ([until] if isinstance(until, str) else list(until)) + [self.enc.decode([self.enc.eot_token])]
+        max_new = int(gen_kwargs.get("max_gen_toks", MAX_GEN_TOKS))
+        temperature = float(gen_kwargs.get("temperature", 0.0)) if gen_kwargs.get("do_sample") else 0.0
+        room = max(1, self.model.config.block_size - max_new)
+        ids = self.enc.encode_ordinary(context)[-room:] or [self.enc.eot_token]
+        text = lambda out: self.enc.decode(out[0, len(ids):].tolist())
+        with self.runtime.autocast():
+            out = generate(self.model, torch.tensor([ids], device=self.runtime.device), max_new, temperature,
+                           vocab=self.enc.n_vocab, stop=lambda out: any(s in text(out) for s in until))
+        result = text(out)
+        for s in until:
+            result = result.split(s)[0]
+        return result
+
+
+@functools.cache
+def harness_class():
+    """HarnessLM: HarnessModel on lm-eval's LM base class, made on first use so that eval.py runs without lm-eval."""
+    try:
+        from lm_eval.api.model import LM
+    except ImportError:
+        raise ImportError(f"lm-evaluation-harness is not installed (pip install {HARNESS_PIP})") from None
+
+    class HarnessLM(HarnessModel, LM):
+        __doc__ = HarnessModel.__doc__
+
+    return HarnessLM
+
+
+def __getattr__(name):  # `from eval import HarnessLM`
+    if name == "HarnessLM":
+        return harness_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 # -----------------------------------------------------------------------------
@@ -340,24 +455,43 @@ def load_split(task, which, data_dir="data/eval", base_url=BASE_URL, progress=Tr
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description="5-shot multiple-choice evaluation, lm-evaluation-harness compatible")
+    p = argparse.ArgumentParser(description="5-shot multiple-choice evaluation, lm-evaluation-harness compatible; "
+                                            "or any harness task through lm-eval itself (--harness)")
     p.add_argument("ckpt", help="checkpoint written by train.py")
-    p.add_argument("--tasks", default=",".join(TASKS), help="comma-separated subset of: " + ", ".join(TASKS))
+    p.add_argument("--tasks", default=None, help="comma-separated subset of: " + ", ".join(TASKS) + " (default: all)")
+    p.add_argument("--harness", metavar="TASKS", default=None,
+                   help=f"run these lm-evaluation-harness tasks (comma-separated) with lm-eval itself ({HARNESS_PIP})")
+    p.add_argument("--include_path", metavar="DIR", default=None, help="--harness: a folder of extra task YAMLs")
     p.add_argument("--limit", type=int, default=None, help="evaluate only the first N docs of each task")
-    p.add_argument("--shots", type=int, default=5, help="few-shot examples per request")
+    p.add_argument("--shots", type=int, default=None, help="few-shot examples per request (default 5, the paper's; "
+                                                           "with --harness: each task's own)")
     p.add_argument("--batch_size", type=int, default=32, help="requests per forward pass")
     p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                    help="autocast dtype of the forward pass (default: bfloat16 on cuda, float32 on cpu); "
                         "log-softmax is always float32")
-    p.add_argument("--data_dir", default="data/eval", help="cache of the data sets: <data_dir>/<task>/<split>.jsonl")
-    p.add_argument("--base_url", default=BASE_URL, help="root of the Hugging Face dataset-viewer API (or a mirror)")
+    p.add_argument("--data_dir", default=None, help="cache of the data sets: <data_dir>/<task>/<split>.jsonl "
+                                                    "(default data/eval)")
+    p.add_argument("--base_url", default=None, help=f"root of the Hugging Face dataset-viewer API (or a mirror; "
+                                                    f"default {BASE_URL})")
     p.add_argument("--drop_anchor", action="store_true",
                    help="zero every anchor term at inference (the paper's anchor-removal ablation, §4.5)")
     p.add_argument("--out", default=None, help="also write the results to this JSON file")
     p.add_argument("--tokenizer", default=None, help="local .tiktoken ranks file (default: GPT-2 from tiktoken)")
     args = p.parse_args(argv)
-    args.tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    if args.harness is not None:
+        given = [f"--{k}" for k in ("tasks", "data_dir", "base_url") if getattr(args, k) is not None]
+        if given:
+            p.error(f"{', '.join(given)}: eval.py's own tasks only; --harness tasks get their data from the harness")
+        args.harness = [t.strip() for t in args.harness.split(",") if t.strip()]
+        if not args.harness:
+            p.error("--harness (empty): expected a comma list of harness task names")
+    elif args.include_path is not None:
+        p.error("--include_path: a folder of harness task YAMLs, for --harness only")
+    args.tasks = [t.strip() for t in (args.tasks or ",".join(TASKS)).split(",") if t.strip()]
+    args.data_dir, args.base_url = args.data_dir or "data/eval", args.base_url or BASE_URL
+    if args.harness is None and args.shots is None:
+        args.shots = 5
     bad = [t for t in args.tasks if t not in TASKS]
     if bad or not args.tasks:
         p.error(f"--tasks {','.join(bad) or '(empty)'}: expected a comma list of {', '.join(TASKS)}")
@@ -366,6 +500,59 @@ def parse_args(argv=None):
         if v is not None and v < low:
             p.error(f"--{name} {v}: expected an integer >= {low}")
     return args
+
+
+def writable(path):
+    """Fail now rather than after the whole evaluation."""
+    if path:
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        if not os.access(os.path.dirname(path) or ".", os.W_OK):
+            raise ValueError(f"--out {path}: directory is not writable")
+
+
+def run_harness(args):
+    """--harness: the tasks through lm_eval.simple_evaluate with HarnessLM; print the harness's table, --out its
+    results dict as JSON. Checked first: lm-eval, --include_path, --out, the checkpoint's tensors (memory-mapped)
+    against the tokenizer and --drop_anchor, then the task names (the harness indexes its task files: seconds)."""
+    try:
+        import lm_eval
+        from lm_eval.tasks import TaskManager
+        from lm_eval.utils import handle_non_serializable, make_table
+    except ImportError:
+        raise SystemExit(f"eval.py: error: --harness needs lm-evaluation-harness: pip install {HARNESS_PIP}")
+    try:
+        if args.include_path is not None and not os.path.isdir(args.include_path):
+            raise ValueError(f"--include_path {args.include_path}: no such folder")
+        writable(args.out)
+        check_options(check_checkpoint(args.ckpt, mmap=True)[1], load_encoding(args.tokenizer), args.ckpt,
+                      args.drop_anchor)
+        tasks = TaskManager(include_path=args.include_path)
+        unknown = [t for t in args.harness if t not in tasks.all_tasks]
+        if unknown:
+            close = lambda t: ", ".join(difflib.get_close_matches(t, tasks.all_tasks, n=3)) or "none"
+            where = f" or those in {args.include_path}" if args.include_path else \
+                " (--include_path DIR adds a folder of task YAMLs)"
+            raise ValueError(f"--harness: unknown task(s) {'; '.join(f'{t} (close: {close(t)})' for t in unknown)}: "
+                             f"not among the harness's tasks{where}")
+        lm = harness_class()(args.ckpt, args.tokenizer, args.batch_size, args.device, args.dtype, args.drop_anchor)
+    except (ValueError, OSError) as e:
+        raise SystemExit(f"eval.py: error: {e}")
+    try:
+        results = lm_eval.simple_evaluate(model=lm, tasks=args.harness, num_fewshot=args.shots, limit=args.limit,
+                                          task_manager=tasks, log_samples=False)
+    except (OSError, ValueError) as e:  # e.g. a data set neither reachable nor cached, more shots than a task has
+        hint = "; without internet, fill the harness's cache (~/.cache/huggingface) on a machine with it, or " \
+               "point a task YAML at local files (--include_path)" if isinstance(e, ConnectionError) else ""
+        raise SystemExit(f"eval.py: error: the harness stopped: {type(e).__name__}: "
+                         f"{(str(e).strip() or '?').splitlines()[0]}{hint}")
+    print(make_table(results))
+    if results.get("groups"):
+        print(make_table(results, "groups"))
+    if args.out:
+        with atomic_write(args.out, "w") as f:
+            f.write(json.dumps(results, indent=2, default=handle_non_serializable) + "\n")
+        print(f"wrote {args.out}")
+    return results
 
 
 def summary_metric(task):
@@ -383,24 +570,18 @@ def print_table(results, average):
 
 def main(argv=None):
     args = parse_args(argv)
+    if args.harness is not None:
+        return run_harness(args)
     runtime = Runtime.pick(args.device, args.dtype)
     # cheap checks first: tokenizer, checkpoint, anchor option; then the data of every task; then scoring
     try:
         enc = load_encoding(args.tokenizer)
         model, _ = load_model(args.ckpt, device=runtime.device)
-        if args.out:  # fail now rather than after the whole evaluation
-            os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-            if not os.access(os.path.dirname(args.out) or ".", os.W_OK):
-                raise ValueError(f"--out {args.out}: directory is not writable")
+        check_options(model.config, enc, args.ckpt, args.drop_anchor)
+        writable(args.out)
     except (ValueError, OSError) as e:
         raise SystemExit(f"eval.py: error: {e}")
-    if args.drop_anchor:
-        if model.config.anchor == "none":
-            raise SystemExit(f"eval.py: error: --drop_anchor: {args.ckpt} has no anchors (anchor='none')")
-        model.drop_anchor = True
-    if enc.max_token_value >= model.config.vocab_size:
-        raise SystemExit(f"eval.py: error: --tokenizer: token ids up to {enc.max_token_value} but {args.ckpt} has "
-                         f"vocab_size={model.config.vocab_size}")
+    model.drop_anchor = args.drop_anchor
     try:
         data = {t: (load_split(t, "eval", args.data_dir, args.base_url)[:args.limit],
                     load_split(t, "pool", args.data_dir, args.base_url)) for t in args.tasks}

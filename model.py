@@ -455,11 +455,12 @@ class KVCache:
 
 
 @torch.no_grad()
-def generate(model, idx, max_new_tokens, temperature=1.0, top_k=None, vocab=None, use_cache=True):
+def generate(model, idx, max_new_tokens, temperature=1.0, top_k=None, vocab=None, use_cache=True, stop=None):
     """Sample continuations of idx (B, T): (B, T + max_new_tokens); temperature 0 is greedy. vocab: sample only ids
     below it (the authors' models have more rows than GPT-2 has tokens). With the KV cache each new token runs one
     position through the model. Past block_size tokens the window slides and is run from position 0 again, as
-    without the cache."""
+    without the cache. stop: a function of the ids so far, called after each new token; True ends generation
+    there (eval.py's stop sequences)."""
     block_size, cache = model.config.block_size, None
     for _ in range(max_new_tokens):
         window = idx[:, -block_size:]
@@ -482,6 +483,8 @@ def generate(model, idx, max_new_tokens, temperature=1.0, top_k=None, vocab=None
                 logits = logits.masked_fill(logits < kth, -float("inf"))
             next_id = torch.multinomial(F.softmax(logits, dim=-1), num_samples=1)
         idx = torch.cat((idx, next_id), dim=1)
+        if stop is not None and stop(idx):
+            break
     return idx
 
 

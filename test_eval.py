@@ -524,8 +524,8 @@ def test_cached_file_is_checked(tmp_path):
 # -----------------------------------------------------------------------------
 # End to end: the CLI on a tiny checkpoint and a small cached data set
 
-def small_data(data_dir):
-    """A few rows per split of every task, in the cache layout."""
+def small_data(data_dir, n_eval=6, n_pool=10):
+    """A few rows per split of every task (n_eval evaluated, n_pool few-shot), in the cache layout."""
     g = random.Random(0)
     words = ["the", "cat", "sat", "on", "a", "mat", "and", "ran", "to", "his", "red", "car"]
     s = lambda n: " ".join(g.choice(words) for _ in range(n))
@@ -546,7 +546,7 @@ def small_data(data_dir):
                                  "answer": str(1 + i % 2)},
     }
     for task, t in ev.TASKS.items():
-        for split, n in ((t.split, 6), (t.pool_split, 10)):
+        for split, n in ((t.split, n_eval), (t.pool_split, n_pool)):
             ev.write_jsonl(os.path.join(data_dir, task, f"{split}.jsonl"), [make[task](i) for i in range(n)])
 
 
@@ -603,3 +603,22 @@ def test_cli_refuses_drop_anchor_without_anchors(tmp_path, enc_file):
         ev.main([str(ckpt), "--drop_anchor", "--tokenizer", str(enc_file), "--data_dir", str(tmp_path)])
     with pytest.raises(SystemExit, match="^eval.py: error: .*nothing.pt"):
         ev.main([str(tmp_path / "nothing.pt"), "--tokenizer", str(enc_file)])
+
+
+def test_harness_is_optional_and_its_options_are_checked(tmp_path, monkeypatch, capsys):
+    for name in ["lm_eval", *(m for m in sys.modules if m.startswith("lm_eval."))]:
+        monkeypatch.setitem(sys.modules, name, None)  # as if lm-eval were not installed: every import of it fails
+    ev.harness_class.cache_clear()
+    with pytest.raises(ImportError, match=r"lm-evaluation-harness is not installed \(pip install lm-eval==0.4."):
+        ev.HarnessLM
+    with pytest.raises(SystemExit, match=r"^eval.py: error: --harness needs lm-evaluation-harness: pip install lm-ev"):
+        ev.main([str(tmp_path / "none.pt"), "--harness", "piqa"])
+    ev.harness_class.cache_clear()
+    for argv, message in [(["--harness", "piqa", "--tasks", "piqa"], "--tasks: eval.py's own tasks only"),
+                          (["--harness", "piqa", "--data_dir", "d"], "--data_dir: eval.py's own tasks only"),
+                          (["--harness", " , "], "--harness (empty)"),
+                          (["--include_path", "tasks"], "--include_path: a folder of harness task YAMLs")]:
+        with pytest.raises(SystemExit):
+            ev.parse_args(["ckpt.pt", *argv])
+        assert message in capsys.readouterr().err
+

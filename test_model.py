@@ -525,6 +525,9 @@ def test_generate_greedy_follows_argmax():
     assert torch.equal(generate(model, prompt, 6, temperature=0.8, top_k=1), out)
     long = generate(model, prompt, model.config.block_size, top_k=5)
     assert long.shape == (2, 5 + model.config.block_size)
+    seen = []  # stop: called once per new token, with everything so far; True ends generation there
+    stopped = generate(model, prompt, 6, temperature=0, stop=lambda ids: seen.append(ids.size(1)) or len(seen) == 3)
+    assert seen == [6, 7, 8] and torch.equal(stopped, out[:, :8])
 
 
 @pytest.mark.parametrize("name,config", VARIANTS, ids=VARIANT_IDS)

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.parse
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import numpy as np
@@ -29,15 +30,36 @@ def shard_bytes(tokens):
 
 # ---------------------------------------------------------------- the local server
 
+def hub_answer(files, name, query):
+    """The Hugging Face Hub's JSON API over the files served as OWNER/NAME/resolve/main/QUOTED_FILENAME:
+    api/models?author=USER lists USER's repositories, api/models/OWNER/NAME a repository's files (siblings), with
+    their sizes only when blobs=true. (status, JSON object)."""
+    repos = {}
+    for key, body in files.items():
+        owner, repo, rest = (key.split("/", 2) + ["", ""])[:3]
+        if rest.startswith("resolve/main/"):
+            repos.setdefault(f"{owner}/{repo}", {})[urllib.parse.unquote(rest[len("resolve/main/"):])] = len(body)
+    params = urllib.parse.parse_qs(query)
+    if name == "api/models":
+        return 200, [{"id": r, "modelId": r} for r in sorted(repos) if [r.split("/")[0]] == params.get("author")]
+    repo = name[len("api/models/"):]
+    if repo not in repos:
+        return 404, {"error": "Repository not found"}
+    blobs = params.get("blobs") == ["true"]
+    return 200, {"id": repo, "siblings": [{"rfilename": f, **({"size": n} if blobs else {})}
+                                          for f, n in sorted(repos[repo].items())]}
+
+
 class Handler(BaseHTTPRequestHandler):
-    """GET /<name> for the files in server.files. Faults, consumed one per request, per file:
+    """GET /<name> for the files in server.files, and the Hub's JSON API over them (hub_answer). Faults, consumed
+    one per request, per file (for the API: per path without the query):
     '503'   answer 503 Service Unavailable
     'cut'   announce the full Content-Length, send 80% of it, then drop the connection
     'short' (206 only) a Content-Range announcing a longer file than the body that comes
     'stall' say nothing for longer than the client's read timeout, then hang up"""
 
     def do_GET(self):
-        srv, name = self.server, self.path.lstrip("/")
+        srv, (name, _, query) = self.server, self.path.lstrip("/").partition("?")
         faults = srv.faults.get(name) or []
         fault = faults.pop(0) if faults else None
         rng = self.headers.get("Range")
@@ -45,12 +67,21 @@ class Handler(BaseHTTPRequestHandler):
             srv.log.append((name, rng, "stall"))
             time.sleep(0.6)
             return
-        if name not in srv.files:
-            srv.log.append((name, rng, 404))
-            return self.send_error(404)
         if fault == "503":
             srv.log.append((name, rng, 503))
             return self.send_error(503)
+        if name.startswith("api/models"):
+            status, answer = hub_answer(srv.files, name, query)
+            srv.log.append((name, query, status))
+            body = json.dumps(answer).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            return self.wfile.write(body)
+        if name not in srv.files:
+            srv.log.append((name, rng, 404))
+            return self.send_error(404)
         body, start = srv.files[name], 0
         if rng and srv.ranges:
             start = int(rng.split("=")[1].split("-")[0])
