@@ -5,6 +5,7 @@ ends. Every test is bounded in time and leaves no process behind."""
 import errno
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -114,11 +115,11 @@ def test_sigterm_to_rank_0_only_stops_both_ranks_at_one_step_and_auto_finishes_t
     wait_for_step(out, 3, torchrun)
     os.kill(workers(torchrun)[0], signal.SIGTERM)  # rank 0 only: rank 1 learns it in the step's agreement
     code, _, err = finish(torchrun)
-    stops = [line for line in err.splitlines() if "stopped after step" in line]
-    steps = {int(line.split("stopped after step ")[1].split()[0]) for line in stops}
+    stops = re.findall(r"train\.py: rank \d: stopped after step (\d+)", err)
+    steps = set(stops)
     assert code != 0 and len(stops) == 2 and len(steps) == 1, err[-3000:]  # both ranks, one step
     assert "exitcode  : 75" in err  # torchrun's report of the failed worker: the documented status
-    step = steps.pop()
+    step = int(steps.pop())
     assert 3 <= step < 40 and load_checkpoint(f"{out}/ckpt.pt")["step"] == step
     code, _, err = run(TORCHRUN + ["train.py", *args(data_dir, out)])  # the same command continues it
     assert code == 0, err[-3000:]

@@ -696,6 +696,13 @@ PREEMPTED = 75  # exit status of a run stopped by a signal after its checkpoint 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)  # schedulers' preemption, Ctrl-C, SLURM's --signal
 
 
+def tell(message):
+    """One line to stderr in one write: print() writes the text and its newline separately, and the lines of
+    ranks sharing one stderr (torchrun) then run into each other."""
+    sys.stderr.write(message + "\n")
+    sys.stderr.flush()
+
+
 class StopSignals:
     """While active, SIGTERM, SIGINT and SIGUSR1 ask the run to stop at the next step boundary instead of killing
     it; the previous handlers come back on exit. A signal during the checkpoint write only says it is noted."""
@@ -713,8 +720,8 @@ class StopSignals:
 
     def _handle(self, signum, frame):
         first, self.received = self.received is None, self.received or signal.Signals(signum).name
-        print(f"train.py: {signal.Signals(signum).name}: " + ("stopping after this step, with a checkpoint" if first
-              else f"already stopping ({self.received})"), file=sys.stderr, flush=True)
+        tell(f"train.py: {signal.Signals(signum).name}: " + ("stopping after this step, with a checkpoint" if first
+             else f"already stopping ({self.received})"))
 
     def agreed(self, env):
         """Whether any rank received a signal: the same answer on every rank, so all stop after the same step."""
@@ -772,9 +779,8 @@ def main(argv):
                      f"stopped answering (dist_timeout={cfg.dist_timeout} s); --init_from=auto resumes from "
                      f"{run.ckpt_path}")
         if stopped_by:
-            print(f"train.py: rank {env.rank}: stopped after step {run.step} ({stopped_by}); {run.ckpt_path} holds "
-                  f"it: the same command with --init_from=auto continues the run (exit status {PREEMPTED})",
-                  file=sys.stderr, flush=True)
+            tell(f"train.py: rank {env.rank}: stopped after step {run.step} ({stopped_by}); {run.ckpt_path} holds "
+                 f"it: the same command with --init_from=auto continues the run (exit status {PREEMPTED})")
         env.teardown(run.train_model if env.world_size > 1 else None)
     if stopped_by:
         sys.exit(PREEMPTED)
