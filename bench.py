@@ -11,6 +11,11 @@ Each positional argument is one model: files are not composed as in train.py, so
 reference of the ratio columns. --memory=True measures activation memory instead of time:
 
     python bench.py configs/gated.py configs/dyn_exo.py --memory=True --dtype=bfloat16
+
+--gpu=True is the check for a CUDA GPU: Gated Attention against Dynamic E-ExoFormer at the paper's 450M shapes,
+with compile and doc_mask each off and on, beside the paper's overhead and the FLOP ratio:
+
+    python bench.py --gpu=True
 """
 import os
 import statistics
@@ -32,10 +37,16 @@ BENCH_DEFAULTS = dict(
     compare="",  # a True/False key (doc_mask, activation_checkpointing): every model with it off, then on
     doc_len=1000,  # mean document length of the synthetic tokens (an <|endoftext|> opens each document)
     memory=False,  # True: instead of timing, measure the activation memory of one block_size sequence
+    gpu=False,  # True: configs/gated.py against configs/dyn_exo.py, compile and doc_mask off and on (CUDA only)
 )
-# What a GPU holds besides activations, per parameter: fp32 weights, gradients, DDP's gradient buckets and
-# optimiser state (Muon: momentum + small NorMuon moments; AdamW: two moments); bytes per parameter.
-STATE_BYTES = {"muon": 4 + 4 + 4 + 4, "adam": 4 + 4 + 4 + 8}
+GPU_MODELS = ["configs/gated.py", "configs/dyn_exo.py"]  # the paper's pair at 450M: Gated Attention, Dynamic E-ExoFormer
+# ExoFormer's extra step time over Gated Attention's in the authors' code, as the paper reports it (the figure
+# docs/REFERENCE.md and issue 20 quote)
+PAPER_OVERHEAD = "8-15%"
+# What a GPU holds besides activations, per parameter: fp32 weights, gradients (DDP's buckets are the same memory:
+# train.data_parallel's gradient_as_bucket_view) and optimiser state (Muon: momentum + small NorMuon moments;
+# AdamW: two moments); bytes per parameter.
+STATE_BYTES = {"muon": 4 + 4 + 4, "adam": 4 + 4 + 8}
 LOGIT_BYTES = 2 + 4 + 4  # a loss chunk's transient logits: bf16, fp32, and their gradient
 HEADROOM = 0.9  # of a GPU's memory usable for all this: the rest for CUDA context, workspaces, fragmentation
 
@@ -60,10 +71,12 @@ def main(argv):
         return None
     files = [a for a in argv if not a.startswith("--")]
     overrides = [a for a in argv if a.startswith("--")]
-    if not files:
-        sys.exit(__doc__)
     defaults = {**ALL_DEFAULTS, **BENCH_DEFAULTS}
     try:
+        if load_config(overrides, defaults)["gpu"]:
+            return gpu_check(files, [o for o in overrides if not o.startswith("--gpu=")])
+        if not files:
+            sys.exit(__doc__)
         runs = []  # a Row of every row of the table: one per file, or two with compare
         for f in files:
             flat = load_config([f] + overrides, defaults)
@@ -84,6 +97,26 @@ def main(argv):
     return timing_table(runs, env)
 
 
+def gpu_check(files, overrides):
+    """--gpu=True: a micro-step of train.py's (8 x 2048 tokens, bf16 autocast) and the optimisers' step, of the
+    paper's pair at 450M, with compile and doc_mask each off and on, on one CUDA GPU; each table followed by the
+    ExoFormer/Gated step-time ratio."""
+    if files:
+        raise ValueError(f"--gpu=True times {' and '.join(GPU_MODELS)}: leave out {' '.join(files)}")
+    if not torch.cuda.is_available():
+        raise ValueError("--gpu=True measures the 450M models on a CUDA GPU, and torch sees none here")
+    for use_compile in (False, True):
+        for doc_mask in (False, True):
+            gated, exo = main(GPU_MODELS + overrides + [f"--compile={use_compile}", f"--doc_mask={doc_mask}"])
+            T = gated.config.block_size
+            print(f"Dynamic E-ExoFormer / Gated Attention step time: "
+                  f"{statistics.median(exo.times) / statistics.median(gated.times):.3f} (the paper: {PAPER_OVERHEAD} "
+                  f"more); FLOP ratio {flops_per_token(exo.model, T) / flops_per_token(gated.model, T):.4f}\n")
+            del gated, exo
+            torch.cuda.empty_cache()
+    return None
+
+
 @dataclass
 class Row:
     """One row of a table: a model and its settings, then what was measured of it."""
@@ -99,6 +132,7 @@ class Row:
     per_layer: int = None  # --memory: bytes saved for backward per layer, ...
     fixed: int = None  # ... and outside the layers
     total: int = None  # ... and in all, at full depth
+    state: int = None  # ... and the bytes of weights, gradients, optimiser states and a loss chunk's logits
     fits: list = None  # micro-batches that fit 40, 80 and 141 GB
 
 
@@ -106,7 +140,8 @@ def timing_table(runs, env):
     first = runs[0]
     B, T = first.cfg.batch_size, first.config.block_size
     what = "forward+backward+optimisers" if first.bench["optimizer"] else "forward+backward"
-    print(f"{what}: {env.device}, {first.cfg.dtype or 'auto'} dtype, compile={env.compile}, batch {B} x {T} tokens, "
+    print(f"{what}: {env.device}, {first.cfg.dtype or 'auto'} dtype, compile={env.compile}, "
+          f"doc_mask={first.cfg.doc_mask}, batch {B} x {T} tokens, "
           f"{first.bench['rounds']} rounds x {first.bench['steps']} steps (+{first.bench['warmup']} warmup)")
     x, y = synthetic_batch(B, T, first.config.vocab_size, first.bench["doc_len"], env.device)
     for row in runs:  # built one after another: peak memory is per model
@@ -126,12 +161,15 @@ def timing_table(runs, env):
 
     ref_ms = statistics.median(first.times) * 1000
     ref_flops = flops_per_token(first.model, T)
-    print(f"\n{'config':<36}{'params':>14}{'ms/step':>10}{'tok/s':>12}{'peak mem':>11}{'time ratio':>12}"
+    print(f"\n{'config':<36}{'params':>14}{'ms/step':>10}{'tok/s':>12}{'MFU':>7}{'peak mem':>11}{'time ratio':>12}"
           f"{'FLOP ratio':>12}")
     for row in runs:
         ms = statistics.median(row.times) * 1000
         mem = "-" if row.memory is None else f"{row.memory / 2**30:.2f} GiB"
-        print(f"{row.name:<36}{row.model.num_params():>14,}{ms:>10.1f}{B * T / ms * 1000:>12,.0f}"
+        # the FLOPs train.py's MFU counts (causal attention); on a CPU there is no peak to hold them against
+        mfu = f"{flops_per_token(row.model, T) * B * T / ms * 1000 / row.cfg.gpu_peak_flops:.1%}" \
+            if env.device.startswith("cuda") else "-"
+        print(f"{row.name:<36}{row.model.num_params():>14,}{ms:>10.1f}{B * T / ms * 1000:>12,.0f}{mfu:>7}"
               f"{mem:>11}{ms / ref_ms:>12.4f}{flops_per_token(row.model, T) / ref_flops:>12.4f}")
     return runs
 
@@ -204,9 +242,9 @@ def memory_table(runs, env):
         with torch.device("meta"):
             full = GPT(row.config)
         n_muon = sum(p.numel() for p in muon_params(full))
-        state = n_muon * STATE_BYTES["muon"] + (full.num_params() - n_muon) * STATE_BYTES["adam"] + \
+        row.state = n_muon * STATE_BYTES["muon"] + (full.num_params() - n_muon) * STATE_BYTES["adam"] + \
             full.loss_chunk * row.config.vocab_size * LOGIT_BYTES
-        row.fits = [max(0, int((gb * 1e9 * HEADROOM - state) // row.total)) for gb in (40, 80, 141)]
+        row.fits = [max(0, int((gb * 1e9 * HEADROOM - row.state) // row.total)) for gb in (40, 80, 141)]
         print(f"{row.name:<36}{full.num_params():>14,}{row.per_layer / 2**20:>8.1f} MiB{row.fixed / 2**20:>6.0f} MiB"
               f"{row.total / 2**30:>9.2f}{row.fits[0]:>10}{row.fits[1]:>10}{row.fits[2]:>11}")
     return runs

@@ -14,6 +14,7 @@ A weights-only checkpoint (convert.py's exports, train.py's keep_every history) 
 """
 import contextlib
 import os
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -103,9 +104,16 @@ class Runtime:
     dtype: torch.dtype
 
     @classmethod
-    def pick(cls, device=None, dtype=None):
-        """device: 'cpu', 'cuda', 'cuda:1' or None (auto); dtype: 'float32', 'bfloat16', 'float16' or None."""
+    def pick(cls, device=None, dtype=None, quiet=False):
+        """device: 'cpu', 'cuda', 'cuda:1' or None (auto); dtype: 'float32', 'bfloat16', 'float16' or None. A GPU
+        without bf16 (older than sm80) gets float32 for None, with one line on stderr (none when quiet)."""
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        cuda = device.startswith("cuda") and torch.cuda.is_available()
+        if dtype is None and cuda and not torch.cuda.is_bf16_supported(including_emulation=False):
+            if not quiet:
+                print(f"note: {torch.cuda.get_device_name(device)} has no bfloat16 (older than sm80): float32",
+                      file=sys.stderr, flush=True)
+            dtype = "float32"
         dtype = dtype or ("bfloat16" if device.startswith("cuda") else "float32")
         if dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype={dtype!r}: expected 'float32', 'bfloat16' or 'float16'")

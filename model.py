@@ -348,18 +348,31 @@ class GPT(nn.Module):
 def document_mask(idx, flex=None):
     """Document-causal mask for packed windows idx (B, T): a query sees the keys at or before it in its own
     document, where each EOT opens a new one (the tokens before the first EOT are a document too).
-    flex (None: on CUDA) gives a FlexAttention BlockMask, whose kernel skips the blocks that cross
+    flex (None: on CUDA with Triton) gives a FlexAttention BlockMask, whose kernel skips the blocks that cross
     documents; otherwise a dense bool mask (B, 1, T, T) for SDPA (FlexAttention has no CPU backward)."""
     B, T = idx.shape
     doc = (idx == EOT).cumsum(-1)  # (B, T): document number of every token
-    if idx.is_cuda if flex is None else flex:
-        return create_block_mask(lambda b, h, q, k: (q >= k) & (doc[b, q] == doc[b, k]), B, None, T, T,
-                                 device=idx.device, _compile=idx.is_cuda)
+    if (idx.is_cuda and triton_available()) if flex is None else flex:
+        # traced with the model when it is compiled; eagerly, the compiled mask build (its device given: the
+        # default is the current accelerator, whatever idx's device is)
+        build = create_block_mask if torch.compiler.is_compiling() else compiled_create_block_mask
+        return build(lambda b, h, q, k: (q >= k) & (doc[b, q] == doc[b, k]), B, None, T, T, device=idx.device)
     causal = torch.ones(T, T, dtype=torch.bool, device=idx.device).tril()
     return (causal & (doc[:, :, None] == doc[:, None, :]))[:, None]
 
 
-# FlexAttention is fast only when compiled (eager it materialises the scores): compiled once, reused per batch
+@torch.compiler.assume_constant_result  # asked once while tracing, a constant of the graph: no graph break
+def triton_available():
+    """Whether FlexAttention's kernels can be built: Triton installed and a GPU it supports, sm70+ (torch's own
+    check, the one inductor makes). Without it, document masks on CUDA are dense SDPA masks."""
+    from torch.utils._triton import has_triton
+    return has_triton()
+
+
+# FlexAttention and its mask build are fast only when compiled (eager, they materialise the (T, T) scores and
+# mask): inside a compiled model dynamo traces and fuses the plain functions; called eagerly, these compiled
+# copies run instead, compiled once and reused per batch
+compiled_create_block_mask = torch.compile(create_block_mask)
 compiled_flex_attention = torch.compile(flex_attention, dynamic=False)
 
 
@@ -369,7 +382,8 @@ def attention(q, k, v, mask, causal=True):
     if mask is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
     if isinstance(mask, BlockMask):
-        return (compiled_flex_attention if q.is_cuda else flex_attention)(q, k, v, block_mask=mask)
+        eager_cuda = q.is_cuda and not torch.compiler.is_compiling()
+        return (compiled_flex_attention if eager_cuda else flex_attention)(q, k, v, block_mask=mask)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
@@ -491,8 +505,8 @@ def generate(model, idx, max_new_tokens, temperature=1.0, top_k=None, vocab=None
 # ----------------------------------------------------------------------------- FLOPs
 
 def flops_per_token(model, seq_len):
-    """Training FLOPs per token: 6 per matmul weight (forward + backward) plus attention scores (12·L·C·T,
-    PaLM's convention, no causal discount). Embedding lookups and elementwise work (norms, mixing, gates) are
-    left out."""
+    """Training FLOPs per token: 6 per matmul weight (forward + backward) plus attention as computed under the causal
+    mask, half of PaLM's 12·L·C·T (document masks skip more, by an amount each batch decides). Embedding lookups and
+    elementwise work (norms, mixing, gates) are left out."""
     matmul = sum(p.numel() for n, p in model.named_parameters() if p.ndim == 2 and n != "wte.weight")
-    return 6 * matmul + 12 * model.config.n_layer * model.config.n_embd * seq_len
+    return 6 * matmul + 6 * model.config.n_layer * model.config.n_embd * seq_len

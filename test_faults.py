@@ -17,7 +17,7 @@ import torch
 import analyze
 import train
 from checkpoint import load_checkpoint, load_model, save_checkpoint, weights_only
-from test_train import ROOT, SMALL, data_dir, read_log  # noqa: F401  (data_dir: the toy shards fixture)
+from test_train import ROOT, SMALL, assert_same_run, data_dir, read_log  # noqa: F401  (data_dir: the toy shards fixture)
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
 ENV = {**{k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")},
@@ -87,15 +87,6 @@ def wait_for_step(out, step, proc):
             return
         time.sleep(0.05)
     raise AssertionError(f"{out}: step {step} never logged")
-
-
-def assert_same_run(a, b):
-    """Two finished runs with the same weights and losses, bit for bit (timings aside)."""
-    ca, cb = load_checkpoint(f"{a}/ckpt.pt"), load_checkpoint(f"{b}/ckpt.pt")
-    assert ca["step"] == cb["step"] == ca["config"]["max_steps"]
-    assert all(torch.equal(ca["model"][k], cb["model"][k]) for k in ca["model"])
-    losses = lambda out: [(e["step"], e.get("train_loss"), e.get("val_loss")) for e in read_log(out)]
-    assert losses(a) == losses(b)
 
 
 @pytest.fixture(scope="module")

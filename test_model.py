@@ -13,7 +13,10 @@ import pytest
 import torch
 
 from configurator import load_config
-from model import EOT, GPT, GRANULARITY_SHAPES, GPTConfig, KVCache, document_mask, flops_per_token, generate
+from torch.nn.attention.flex_attention import create_mask
+
+from model import (EOT, GPT, GRANULARITY_SHAPES, GPTConfig, KVCache, compiled_create_block_mask, document_mask,
+                   flops_per_token, generate)
 from train import ALL_DEFAULTS, MODEL_KEYS
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
@@ -311,15 +314,69 @@ def test_doc_mask_without_eot_inside_is_plain_causal(name):
         assert torch.equal(model(idx, doc_mask=True)[0], model(idx)[0])
 
 
-def test_doc_mask_gradients_flow_and_compile_matches_eager():
+def test_doc_mask_gradients_flow():
     model = randomize(GPT(variant("dyn_exo", vocab_size=50304)))
     idx = packed(model.config, [4, 12, 25])
     _, loss = model(idx[:, :-1], idx[:, 1:], z_loss=1e-4, doc_mask=True)
     loss.backward()
     assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in model.parameters() if p.ndim > 0)
-    compiled = torch.compile(model, fullgraph=True)
-    torch.testing.assert_close(compiled(idx[:, :-1], idx[:, 1:], z_loss=1e-4, doc_mask=True)[1], loss, rtol=1e-5,
-                               atol=1e-5)
+
+
+def layouts(config, n, B=2):
+    """n batches (B, block_size >= 256) of different document layouts: the first without EOT, the second with one
+    at 128, FlexAttention's block boundary (a block it skips whole), then random ones, ever denser."""
+    g = torch.Generator().manual_seed(0)
+    for i in range(n):
+        idx = torch.randint(0, EOT, (B, config.block_size), generator=g)
+        idx[torch.rand(idx.shape, generator=g) < i / (2 * n)] = EOT
+        if i == 1:
+            idx[:, 128] = EOT
+        yield idx
+
+
+def compiled_graphs():
+    """Graphs dynamo has compiled since the last torch._dynamo.reset() (its own counter)."""
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
+
+
+@pytest.fixture
+def fresh_dynamo():
+    """No compiled graph of an earlier test: each test's count starts at 0, and no test meets dynamo's recompile
+    limit (8 per function), past which it would run eagerly and compare eager with eager."""
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+
+
+def test_eager_flex_mask_is_one_compiled_graph_on_the_inputs_device(fresh_dynamo, monkeypatch):
+    """Called eagerly (compile=False on CUDA), document_mask builds its BlockMask with the compiled
+    create_block_mask, exactly as on CUDA: one graph for 20 layouts, the mask of the dense path, skipping the
+    blocks without a key, and idx's device given (create_block_mask's default is the current accelerator)."""
+    devices = []
+    monkeypatch.setattr("model.compiled_create_block_mask",
+                        lambda *a, **k: devices.append(k["device"]) or compiled_create_block_mask(*a, **k))
+    config = variant("dyn_exo", vocab_size=50304, block_size=256)
+    for idx in layouts(config, 20):
+        mask, dense = document_mask(idx, flex=True), document_mask(idx, flex=False)
+        assert torch.equal(create_mask(mask.mask_mod, 2, 1, 256, 256, idx.device), dense)
+        blocks = dense.view(2, 1, 2, 128, 2, 128).any(5).any(3)  # blocks of 128 (the default) that hold a key
+        assert torch.equal(mask.kv_num_blocks + mask.full_kv_num_blocks, blocks.sum(-1, dtype=torch.int32))
+    assert devices == [idx.device] * 20 and compiled_graphs() == 1
+
+
+def test_compiled_flex_forward_is_one_graph_for_every_layout(fresh_dynamo):
+    """The CUDA forward on a CPU (inference only: CPU FlexAttention has no backward): the network compiled whole
+    (fullgraph=True: no graph break) with the FlexAttention mask forced and built inside the graph; windows of
+    different layouts run the one graph compiled for the first, and equal the dense SDPA mask path. (features:
+    the forward but lm_head, whose (B, T, 50304) logits would take most of the time; 10 layouts, as each costs
+    ~1 s on 2 cores.)"""
+    model = randomize(GPT(variant("dyn_exo", vocab_size=50304, n_layer=2, block_size=256))).eval()
+    model.flex = True
+    compiled = torch.compile(model.features, fullgraph=True)
+    with torch.no_grad():
+        for idx in layouts(model.config, 10):
+            dense = model.features(idx, mask=document_mask(idx, flex=False))
+            torch.testing.assert_close(compiled(idx, doc_mask=True), dense, rtol=1e-5, atol=1e-5)
+    assert compiled_graphs() == 1
 
 
 # ---------------------------------------------------------------- equivalences on shared weights
@@ -482,21 +539,24 @@ def test_a_second_backward_through_the_loss_is_refused():
 
 # ---------------------------------------------------------------- compile, state dict, generate
 
-@pytest.mark.parametrize("name", ["dyn_exo", "nuresformer_e"])
-def test_compile_fullgraph_matches_eager(name):
-    model = randomize(GPT(variant(name)))
-    idx = tokens(model.config)
-    compiled = torch.compile(model, fullgraph=True)
-    _, eager_loss = model(idx[:, :-1], idx[:, 1:], z_loss=1e-4)
+@pytest.mark.parametrize("doc_mask", [False, True], ids=["causal", "doc_mask"])
+@pytest.mark.parametrize("name", FAMILIES)
+def test_compiled_training_step_matches_eager(name, doc_mask, fresh_dynamo):
+    """train.py's compiled forward and backward on a CPU (inductor's C++ kernels) for every variant family, plain
+    causal and with the dense document mask: one graph (fullgraph=True), eager's loss and gradients."""
+    model = randomize(GPT(variant(name, vocab_size=50304, n_layer=2)))
+    idx = packed(model.config, [4, 12, 25])
+    x, y = idx[:, :-1], idx[:, 1:]
+    _, eager_loss = model(x, y, z_loss=1e-4, doc_mask=doc_mask)
     eager_loss.backward()
     eager_grads = [p.grad.clone() for p in model.parameters()]
     model.zero_grad()
-    _, loss = compiled(idx[:, :-1], idx[:, 1:], z_loss=1e-4)
+    _, loss = torch.compile(model, fullgraph=True)(x, y, z_loss=1e-4, doc_mask=doc_mask)
     loss.backward()
+    assert compiled_graphs() == 1
     torch.testing.assert_close(loss, eager_loss, rtol=1e-5, atol=1e-5)
     for g, p in zip(eager_grads, model.parameters()):
         torch.testing.assert_close(p.grad, g, rtol=1e-4, atol=1e-5)
-    torch.testing.assert_close(compiled(idx)[0], model(idx)[0], rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("name", ["dyn_exo", "nuresformer_h", "resformer"])
@@ -560,7 +620,7 @@ def test_generate_samples_only_below_vocab():
 
 
 @pytest.mark.parametrize("name", ["dyn_exo", "nuresformer_e", "gated"])
-def test_activation_checkpointing_gives_the_same_loss_and_gradients(name):
+def test_activation_checkpointing_gives_the_same_loss_and_gradients(name, fresh_dynamo):
     model = randomize(GPT(variant(name)))
     idx = tokens(model.config)
 
@@ -667,7 +727,7 @@ def test_flops_per_token_follows_the_matmul_count(name):
     if c.dynamic:
         matmul += L * (16 * C + 16 * 2 * len(c.mix))
     with torch.device("meta"):
-        assert flops_per_token(GPT(c), T) == 6 * matmul + 12 * L * C * T
+        assert flops_per_token(GPT(c), T) == 6 * matmul + 6 * L * C * T  # causal: half of 12·L·C·T
 
 
 @pytest.mark.parametrize("name", ["dyn_exo", "nuresformer_h"])

@@ -14,6 +14,7 @@ SIGTERM, SIGINT or SIGUSR1 stop a run after its current step, with a checkpoint,
 """
 import contextlib
 import errno
+import inspect
 import json
 import math
 import os
@@ -34,7 +35,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from checkpoint import RESUME, Runtime, load_checkpoint, save_checkpoint, trained_doc_mask, weights_only
 from configurator import help_text, key_comments, read_args, wants_help
 from data import DataLoader, atomic_write, read_jsonl, val_batches
-from model import GPT, GPTConfig, flops_per_token
+from model import GPT, GPTConfig, flops_per_token, triton_available
 
 
 # ----------------------------------------------------------------------------- the keys: the paper's 450M run
@@ -146,57 +147,64 @@ def polar_express(G):
 
 class Muon(torch.optim.Optimizer):
     """Muon for the weight matrices: Nesterov momentum (EMA form), Polar Express, NorMuon second
-    moment, shape scaling, cautious weight decay. Under DDP each rank orthogonalises only its share of
-    every group of same-shaped matrices and all-gathers the results; the cheap elementwise work runs on
-    every rank, so parameters and optimiser state stay identical everywhere (and checkpointable from rank 0).
-    The weight decay is lr · wd, as in the authors' train.py (modded-nanogpt scales its own by lr² instead)."""
+    moment, shape scaling, cautious weight decay. The matrices of one shape are updated as one stack
+    (k, rows, cols), with foreach ops for the momentum: the same ops whatever k, so that a step of the 450M
+    dyn_exo layout dispatches 779 aten ops, not 4,664 (one set per matrix: tiny kernels a GPU waits to launch).
+    Under DDP each rank orthogonalises only its share of every stack and all-gathers the results; the cheap
+    elementwise work runs on every rank, so parameters and optimiser state stay identical everywhere (and
+    checkpointable from rank 0). The weight decay is lr · wd, as in the authors' train.py (modded-nanogpt
+    scales its own by lr² instead)."""
 
     def __init__(self, params, lr, momentum, beta2, weight_decay, rank=0, world_size=1):
         super().__init__(params, dict(lr=lr, momentum=momentum, beta2=beta2, weight_decay=weight_decay))
         self.rank, self.world_size = rank, world_size
 
     def _orthogonalize(self, updates):
-        by_shape = {}
-        for i, u in enumerate(updates):
-            by_shape.setdefault(u.shape, []).append(i)
-        out = [None] * len(updates)
-        for idx in by_shape.values():
-            share = math.ceil(len(idx) / self.world_size)
-            mine = [updates[i] for i in idx[self.rank * share:(self.rank + 1) * share]]
-            mine += [torch.zeros_like(updates[idx[0]])] * (share - len(mine))  # pad so all ranks gather equal sizes
-            result = polar_express(torch.stack(mine))
-            if self.world_size > 1:
-                parts = [torch.empty_like(result) for _ in range(self.world_size)]
-                dist.all_gather(parts, result)
-                result = torch.cat(parts)
-            for j, i in enumerate(idx):
-                out[i] = result[j]
-        return out
+        """Polar Express of same-shaped matrices, as one stack (k, rows, cols), each rank doing its share."""
+        share = math.ceil(len(updates) / self.world_size)
+        mine = list(updates[self.rank * share:(self.rank + 1) * share])
+        mine += [torch.zeros_like(updates[0])] * (share - len(mine))  # pad so all ranks gather equal sizes
+        result = polar_express(torch.stack(mine))
+        if self.world_size > 1:
+            parts = [torch.empty_like(result) for _ in range(self.world_size)]
+            dist.all_gather(parts, result)
+            result = torch.cat(parts)[:len(updates)]
+        return result
 
     @torch.no_grad()
     def step(self):
         for group in self.param_groups:
-            params = [p for p in group["params"] if p.grad is not None]
-            mu, lr, wd = group["momentum"], group["lr"], group["weight_decay"]
-            updates = []
-            for p in params:
-                state = self.state[p]
-                if not state:
-                    state["momentum"] = torch.zeros_like(p)
-                    rows, cols = p.shape  # NorMuon: one second moment per row if rows >= cols, else per column
-                    state["second_moment"] = torch.zeros((rows, 1) if rows >= cols else (1, cols), device=p.device)
-                state["momentum"].lerp_(p.grad, 1 - mu)
-                updates.append(p.grad.lerp(state["momentum"], mu))  # Nesterov
-            for p, u in zip(params, self._orthogonalize(updates)):
-                u = u.float()
-                v = self.state[p]["second_moment"]
-                v.lerp_(u.square().mean(dim=-1 if v.size(1) == 1 else -2, keepdim=True), 1 - group["beta2"])
-                normed = u * v.clamp_min(NORMUON_EPS).rsqrt()
-                normed *= u.norm() / normed.norm().clamp_min(NORMUON_EPS)  # keep the orthogonalised update's norm
-                normed *= max(1.0, p.size(0) / p.size(1)) ** 0.5
-                # cautious weight decay: only where the update already moves the weight towards zero
-                p.sub_(lr * wd * (normed * p >= 0) * p)
-                p.sub_(lr * normed)
+            by_shape = {}
+            for p in group["params"]:
+                if p.grad is not None:
+                    by_shape.setdefault(p.shape, []).append(p)
+            for params in by_shape.values():
+                self._step_stack(params, group)
+
+    def _step_stack(self, params, group):
+        """One step of same-shaped matrices; the state stays per matrix (the checkpoint format)."""
+        mu, lr, wd = group["momentum"], group["lr"], group["weight_decay"]
+        rows, cols = params[0].shape  # NorMuon: one second moment per row if rows >= cols, else per column
+        states = [self.state[p] for p in params]
+        for p, state in zip(params, states):
+            if not state:
+                state["momentum"] = torch.zeros_like(p)
+                state["second_moment"] = torch.zeros((rows, 1) if rows >= cols else (1, cols), device=p.device)
+        grads, momenta = [p.grad for p in params], [s["momentum"] for s in states]
+        torch._foreach_lerp_(momenta, grads, 1 - mu)
+        u = self._orthogonalize(torch._foreach_lerp(grads, momenta, mu)).float()  # Nesterov
+        v = torch.stack([s["second_moment"] for s in states])  # (k, rows, 1) or (k, 1, cols)
+        v.lerp_(u.square().mean(dim=-1 if rows >= cols else -2, keepdim=True), 1 - group["beta2"])
+        normed = u * v.clamp_min(NORMUON_EPS).rsqrt()
+        norm = lambda x: x.norm(dim=(-2, -1), keepdim=True)  # of each matrix
+        normed *= norm(u) / norm(normed).clamp_min(NORMUON_EPS)  # keep each orthogonalised update's norm
+        normed *= max(1.0, rows / cols) ** 0.5
+        p = torch.stack(params)
+        # cautious weight decay: only where the update already moves the weight towards zero
+        p.sub_(lr * wd * (normed * p >= 0) * p)
+        p.sub_(lr * normed)
+        torch._foreach_copy_(params, p.unbind(0))
+        torch._foreach_copy_([s["second_moment"] for s in states], v.unbind(0))
 
 
 def muon_params(model):
@@ -271,11 +279,14 @@ def optimizer_step(model, optimizers, grad_clip):
 
 @dataclass
 class Env:
-    """This process: its rank among world_size, its device, precision (autocast) and whether it compiles."""
+    """This process: its rank among world_size, its device, precision (autocast), whether it compiles, and whether
+    it is in a process group (under torchrun, with one process too: nanoGPT's rule, and one GPU runs NCCL and DDP
+    as eight do)."""
     rank: int
     world_size: int
     runtime: Runtime
     compile: bool
+    distributed: bool = False
 
     @property
     def device(self):
@@ -289,9 +300,10 @@ class Env:
     def setup(cls, cfg):
         """Join the process group under torchrun (one GPU per local rank); the device, dtype and compile choice."""
         rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+        distributed = "RANK" in os.environ  # torchrun's
         if cfg.dtype not in (None, "float32", "bfloat16"):  # float16 would need a gradient scaler
             raise ValueError(f"dtype={cfg.dtype!r}: expected 'float32' or 'bfloat16'")
-        runtime = Runtime.pick(cfg.device, cfg.dtype)
+        runtime = Runtime.pick(cfg.device, cfg.dtype, quiet=rank > 0)
         if runtime.device == "cuda":
             runtime = replace(runtime, device=f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}")
         if runtime.device.startswith("cuda"):
@@ -299,11 +311,16 @@ class Env:
         use_compile = runtime.device.startswith("cuda") if cfg.compile is None else cfg.compile
         if not isinstance(use_compile, bool):
             raise ValueError(f"compile={cfg.compile!r}: expected True, False or None (auto)")
-        if world_size > 1:
+        if use_compile and runtime.device.startswith("cuda") and not triton_available():  # inductor's GPU kernels
+            if rank == 0:
+                print(f"note: no Triton for {torch.cuda.get_device_name()} (not installed, or a GPU older than sm70): "
+                      f"compile=False, and document masks are dense SDPA masks", file=sys.stderr, flush=True)
+            use_compile = False
+        if distributed:
             cuda = runtime.device.startswith("cuda")
             dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=cfg.dist_timeout),
                                     device_id=torch.device(runtime.device) if cuda else None)
-        return cls(rank, world_size, runtime, use_compile)
+        return cls(rank, world_size, runtime, use_compile, distributed)
 
     def say(self, *args):
         if self.master:
@@ -312,7 +329,7 @@ class Env:
     def teardown(self, ddp_model=None):
         """End the process group. DDP's reducer is freed first, and every rank's gloo/NCCL work finishes, while
         the group still exists: a group destroyed from the reducer's deallocation at exit can deadlock."""
-        if self.world_size > 1:
+        if self.distributed:
             del ddp_model
             dist.barrier()
             dist.destroy_process_group()
@@ -430,11 +447,26 @@ def build(cfg, model_config, env, accum):
     raw_model = GPT(model_config).to(env.device)
     raw_model.activation_checkpointing = cfg.activation_checkpointing
     model = torch.compile(raw_model) if env.compile else raw_model
-    train_model = model
-    if env.world_size > 1:
-        train_model = DDP(model, device_ids=[torch.device(env.device).index] if env.device.startswith("cuda") else None)
+    train_model = data_parallel(model, env) if env.distributed else model
     optimizers = configure_optimizers(raw_model, cfg, rank, world)
     return Run(cfg, model_config, env, accum, raw_model, model, train_model, optimizers, loader)
+
+
+# DDP's gradient buckets. Compiled, DDP also splits the graph at bucket boundaries (dynamo's DDPOptimizer), so that
+# each bucket's all-reduce overlaps the rest of backward: 25 MiB (the default) cuts the 450M models (1.7 GB of fp32
+# gradients) into ~41 graphs and the 1B ones into ~67; 100 MiB gives 14 and 28 (about 2 layers each, counted
+# with dist._compute_bucket_assignment_by_size), which keeps most fusion and still overlaps. Ours, not measured.
+DDP_BUCKET_MB = 100
+
+
+def data_parallel(model, env, bucket_mb=DDP_BUCKET_MB):
+    """model in DDP. Gradients are views of the buckets (no second copy: 1.7 GB at 450M), and buffers are not
+    broadcast before each forward: the only ones, RoPE's tables, are computed from the config on every rank."""
+    cuda = env.device.startswith("cuda")
+    # torch 2.13 names it forward_sync_buffers and deprecates broadcast_buffers; older ones know only the latter
+    new_name = "forward_sync_buffers" in inspect.signature(DDP).parameters
+    return DDP(model, device_ids=[torch.device(env.device).index] if cuda else None, bucket_cap_mb=bucket_mb,
+               gradient_as_bucket_view=True, **{"forward_sync_buffers" if new_name else "broadcast_buffers": False})
 
 
 def restore(run, ckpt):
@@ -482,7 +514,7 @@ def evaluate(run, max_tokens):
             _, loss = run.model(x.to(env.device), y.to(env.device), doc_mask=cfg.doc_mask)
         total += loss.float()
         n += 1
-    if env.world_size > 1:
+    if env.distributed:
         for t in (total, n):
             dist.all_reduce(t)
     run.model.train()
@@ -498,21 +530,28 @@ def train_step(run):
     xs, ys = run.loader.next_batch()
     for micro, (x, y) in enumerate(zip(xs.split(cfg.batch_size), ys.split(cfg.batch_size))):
         x, y = x.to(env.device, non_blocking=True), y.to(env.device, non_blocking=True)
-        last = env.world_size == 1 or micro == run.accum - 1
+        last = not env.distributed or micro == run.accum - 1
         with contextlib.nullcontext() if last else run.train_model.no_sync():
             with env.runtime.autocast():
                 _, loss = run.train_model(x, y, z_loss=cfg.z_loss, doc_mask=cfg.doc_mask)
             (loss / run.accum).backward()
         loss_sum += loss.detach()
-    if env.world_size > 1:
+    if env.distributed:
         dist.all_reduce(loss_sum)
     entry["train_loss"] = run.train_loss = loss_sum.item() / (run.accum * env.world_size)
-    if not math.isfinite(entry["train_loss"]):
-        raise SystemExit(f"train.py: error: non-finite loss ({entry['train_loss']}) at step {entry['step']}; "
-                         f"the last good checkpoint, if any, is {run.ckpt_path}")
+    stop_unless_finite(entry, "train_loss", run)
     entry["grad_norm"] = optimizer_step(run.raw_model, run.optimizers, cfg.grad_clip)
+    stop_unless_finite(entry, "grad_norm", run)  # a finite loss with broken gradients (a miscompiled kernel, say)
     run.step += 1
     return entry
+
+
+def stop_unless_finite(entry, key, run):
+    """A non-finite loss or gradient norm stops the run before any checkpoint holds what it did to the weights."""
+    if not math.isfinite(entry[key]):
+        what = {"train_loss": "loss", "grad_norm": "gradient norm"}[key]
+        raise SystemExit(f"train.py: error: non-finite {what} ({entry[key]}) at step {entry['step']}; the last good "
+                         f"checkpoint, if any, is {run.ckpt_path}")
 
 
 def due(step, interval, cfg):
@@ -563,7 +602,7 @@ def save(run, pending_log=None):
         except OSError as e:
             error = e
     failed = torch.tensor(float(error is not None), device=run.env.device)
-    if run.env.world_size > 1:
+    if run.env.distributed:
         dist.broadcast(failed, 0)
     if failed.item():
         why = f"{error.strerror or error}" if error else "rank 0 could not write it"
@@ -648,8 +687,7 @@ class Log:
     def step(self, entry):
         """Print and record a step's entry, with the mean step time of the last log_interval steps."""
         cfg, run = self.run.cfg, self.run
-        window = self.times[-cfg.log_interval:]
-        dt = sum(window) / len(window)
+        dt = step_seconds(self.times, cfg.log_interval)
         entry.update(step_ms=1000 * dt, tok_per_s=cfg.total_batch_size / dt)
         mfu = ""
         if self.env.device.startswith("cuda"):
@@ -672,7 +710,12 @@ class Log:
             self.say(f"resuming from {run.ckpt_path} at step {run.step}")
         self.say(f"{run.raw_model.num_params():,} parameters, {self.env.world_size} process(es) x {run.accum} "
                  f"micro-step(s) x {cfg.batch_size} x {run.model_config.block_size} tokens, {self.env.device}, "
-                 f"compile={self.env.compile}")
+                 f"compile={self.env.compile}" + (f", {dist.get_backend()} process group" if self.env.distributed
+                                                   else ""))
+        if self.env.device.startswith("cuda"):
+            self.say(f"mfu: {self.flops_per_step / cfg.total_batch_size:.3g} FLOPs per token (6 per matmul weight, "
+                     f"causal attention: half of 12·L·C·T; model.flops_per_token) against gpu_peak_flops="
+                     f"{cfg.gpu_peak_flops:.3g}; step times leave out each start's first step (compilation)")
         # the loader wraps around at the end of the data: say up front how often the run will see it
         planned, available = cfg.max_steps * cfg.total_batch_size, run.loader.tokens_per_epoch
         self.say(f"data: {cfg.max_steps:,} steps x {cfg.total_batch_size:,} tokens = {planned:,} tokens planned; "
@@ -688,6 +731,13 @@ class Log:
             entry = {**run.pending_log, "val_loss": evaluate(run, cfg.eval_tokens)}
             self.say(f"step {run.step}: val loss {entry['val_loss']:.4f} (the evaluation left by the stop)")
             self.record(entry)
+
+
+def step_seconds(times, n):
+    """Mean time of the last n steps of times (this process's, in order). The first is left out, unless it is all
+    there is: it holds torch.compile's compilation (and the allocator's warm-up), which is not a step's cost."""
+    window = (times[1:] or times)[-n:]
+    return sum(window) / len(window)
 
 
 # ----------------------------------------------------------------------------- stopping on a signal
@@ -725,7 +775,7 @@ class StopSignals:
 
     def agreed(self, env):
         """Whether any rank received a signal: the same answer on every rank, so all stop after the same step."""
-        if env.world_size == 1:
+        if not env.distributed:
             return self.received is not None
         flag = torch.tensor(float(self.received is not None), device=env.device)
         dist.all_reduce(flag)
@@ -764,7 +814,7 @@ def main(argv):
     if cfg.eval_only:
         val_loss = evaluate(run, None)
         env.say(f"step {run.step}: val loss {val_loss:.4f} on the whole validation set")
-        env.teardown(run.train_model if env.world_size > 1 else None)
+        env.teardown(run.train_model if env.distributed else None)
         return val_loss
     with StopSignals() as stop:  # until the very end: a second signal during the teardown is only noted
         try:
@@ -781,7 +831,7 @@ def main(argv):
         if stopped_by:
             tell(f"train.py: rank {env.rank}: stopped after step {run.step} ({stopped_by}); {run.ckpt_path} holds "
                  f"it: the same command with --init_from=auto continues the run (exit status {PREEMPTED})")
-        env.teardown(run.train_model if env.world_size > 1 else None)
+        env.teardown(run.train_model if env.distributed else None)
     if stopped_by:
         sys.exit(PREEMPTED)
     return run.train_loss
