@@ -350,6 +350,21 @@ class Stop(Exception):
     pass
 
 
+def stopped_after_checkpoint(step, args, monkeypatch):
+    """train.main(args), ended right after its checkpoint of `step` is written, as if killed there."""
+    save = train.save_checkpoint
+
+    def save_then_stop(path, state):
+        save(path, state)
+        if state["step"] == step:
+            raise Stop
+
+    with monkeypatch.context() as m:
+        m.setattr(train, "save_checkpoint", save_then_stop)
+        with pytest.raises(Stop):
+            train.main(args)
+
+
 @pytest.mark.parametrize("data", ["data_dir", "doc_data_dir"])
 def test_resume_is_bitwise_identical(data, tmp_path, monkeypatch, request):
     extra = DOCS if data == "doc_data_dir" else []
@@ -357,24 +372,25 @@ def test_resume_is_bitwise_identical(data, tmp_path, monkeypatch, request):
     straight = str(tmp_path / "straight")
     train.main(common + [f"--out_dir={straight}"])
     # the second run stops right after its step-3 checkpoint, as if killed there, then resumes
-    save = train.save_checkpoint
-
-    def save_then_stop(path, state):
-        save(path, state)
-        if state["step"] == 3:
-            raise Stop
-
-    monkeypatch.setattr(train, "save_checkpoint", save_then_stop)
     resumed = str(tmp_path / "resumed")
-    with pytest.raises(Stop):
-        train.main(common + [f"--out_dir={resumed}"])
+    stopped_after_checkpoint(3, common + [f"--out_dir={resumed}"], monkeypatch)
     assert load_checkpoint(f"{resumed}/ckpt.pt")["step"] == 3
-    monkeypatch.setattr(train, "save_checkpoint", save)
     train.main(common + [f"--out_dir={resumed}", "--init_from=resume"])
     assert_same_run(straight, resumed)
     assert [e["step"] for e in read_log(resumed)] == list(range(7))
     assert [e["step"] for e in read_log(resumed, configs=True)] == [0, 3]
     assert read_log(resumed, configs=True)[1]["config"]["init_from"] == "resume"
+
+
+def test_a_cooldown_branched_from_a_longer_run_equals_a_run_of_its_own_length(data_dir, tmp_path, monkeypatch):
+    """Branching a cooldown (Hagele et al. 2024, the README's budget-matched measure): the checkpoint of step s of
+    a 12-step run, resumed with --max_steps=8, ends bit for bit as an 8-step run, since both schedules are the same
+    up to s (s <= 0.8 * 8, before either decays, and s <= 8 - muon_momentum_steps)."""
+    common = SMALL + [f"--data_dir={data_dir}", "--ckpt_interval=4"]
+    train.main(common + [f"--out_dir={tmp_path / 'short'}", "--max_steps=8"])
+    stopped_after_checkpoint(4, common + [f"--out_dir={tmp_path / 'branch'}", "--max_steps=12"], monkeypatch)
+    train.main(common + [f"--out_dir={tmp_path / 'branch'}", "--max_steps=8", "--init_from=resume"])
+    assert_same_run(tmp_path / "short", tmp_path / "branch")
 
 
 def assert_same_run(a_dir, b_dir, close=None):
