@@ -2,6 +2,7 @@
 torchrun --max-restarts, a worker that hangs, a full disk during a checkpoint write; and --init_from=auto on what
 an output directory can hold. Each run that is stopped and continued must end bit for bit where an unbroken run
 ends. Every test is bounded in time and leaves no process behind."""
+import contextlib
 import errno
 import json
 import os
@@ -21,7 +22,7 @@ from test_train import ROOT, SMALL, assert_same_run, data_dir, read_log  # noqa:
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
 ENV = {**{k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")},
-       "OMP_NUM_THREADS": "1"}
+       "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"}
 LIMIT = 240  # seconds any one process of these tests may take, on a loaded 2-core machine
 
 
@@ -37,16 +38,22 @@ def start(cmd):
 
 
 def finish(proc):
-    """Wait (bounded) for proc; kill its whole session if it is still there; return (returncode, stdout, stderr)."""
+    """Wait (bounded) for proc; kill its whole session if it is still there; return (returncode, stdout, stderr).
+    A process still there at the time limit first dumps every thread's Python stack (faulthandler, on SIGABRT)."""
     try:
         out, err = proc.communicate(timeout=LIMIT)
     except subprocess.TimeoutExpired:
-        out, err = "", "timed out"
-    finally:
-        try:
+        for pid in [proc.pid] + descendants(proc.pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGABRT)
+        time.sleep(2)
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        out, err = proc.communicate()
+        err = f"timed out after {LIMIT} s; the stacks then:\n{err}"
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
     return proc.wait(), out, err
 
 

@@ -7,6 +7,8 @@ import socket
 import subprocess
 import sys
 import time
+import types
+import weakref
 from datetime import timedelta
 
 import numpy as np
@@ -311,7 +313,7 @@ def check_process_group_and_ddp(monkeypatch, device="cpu", backend="aot_eager", 
     for key, value in dict(RANK=0, WORLD_SIZE=1, LOCAL_RANK=0, MASTER_ADDR="127.0.0.1", MASTER_PORT=free_port()).items():
         monkeypatch.setenv(key, str(value))
     env = train.Env.setup(TrainConfig(dist_timeout=123, device=device))
-    ddp = None
+    run, ddp, freed = types.SimpleNamespace(train_model=None), None, None
     try:
         assert env.distributed and seen["timeout"] == timedelta(seconds=123)
         assert dist.get_backend() == ("nccl" if env.device.startswith("cuda") else "gloo")
@@ -329,14 +331,18 @@ def check_process_group_and_ddp(monkeypatch, device="cpu", backend="aot_eager", 
         torch._dynamo.reset()
         counters.clear()
         # 1 MiB buckets (DDP's first bucket size, the least DDPOptimizer takes) cut this 12 MiB model in two
-        ddp = train.data_parallel(torch.compile(net, backend=backend), env, bucket_mb=1)
+        run.train_model = ddp = train.data_parallel(torch.compile(net, backend=backend), env, bucket_mb=1)
+        freed = weakref.ref(ddp)
         assert ddp.gradient_as_bucket_view and not ddp.will_sync_module_buffers()
         ddp(idx[:, :-1], idx[:, 1:], doc_mask=True)[1].backward()
         assert counters["stats"]["unique_graphs"] == 1 and counters["aot_autograd"]["total"] == 2  # two parts
         same = torch.equal if close is None else lambda a, b: torch.allclose(a, b, **close)
         assert all(same(p.grad, g) for p, g in zip(net.parameters(), plain))
     finally:
-        env.teardown(ddp)
+        ddp = None
+        env.teardown(run)
+    # teardown freed the DDP wrapper (and its reducer) while the process group still existed
+    assert run.train_model is None and freed() is None
 
 
 def test_process_group_timeout_and_ddp_arguments(monkeypatch):

@@ -326,11 +326,13 @@ class Env:
         if self.master:
             print(*args, flush=True)
 
-    def teardown(self, ddp_model=None):
-        """End the process group. DDP's reducer is freed first, and every rank's gloo/NCCL work finishes, while
-        the group still exists: a group destroyed from the reducer's deallocation at exit can deadlock."""
+    def teardown(self, run=None):
+        """End the process group. DDP's reducer is freed first (run.train_model, its last reference, dropped), and
+        every rank's gloo/NCCL work finishes, while the group still exists: a group destroyed from the reducer's
+        deallocation at exit can deadlock."""
         if self.distributed:
-            del ddp_model
+            if run is not None:
+                run.train_model = None
             dist.barrier()
             dist.destroy_process_group()
 
@@ -814,7 +816,7 @@ def main(argv):
     if cfg.eval_only:
         val_loss = evaluate(run, None)
         env.say(f"step {run.step}: val loss {val_loss:.4f} on the whole validation set")
-        env.teardown(run.train_model if env.distributed else None)
+        env.teardown(run)
         return val_loss
     with StopSignals() as stop:  # until the very end: a second signal during the teardown is only noted
         try:
@@ -831,7 +833,7 @@ def main(argv):
         if stopped_by:
             tell(f"train.py: rank {env.rank}: stopped after step {run.step} ({stopped_by}); {run.ckpt_path} holds "
                  f"it: the same command with --init_from=auto continues the run (exit status {PREEMPTED})")
-        env.teardown(run.train_model if env.distributed else None)
+        env.teardown(run)
     if stopped_by:
         sys.exit(PREEMPTED)
     return run.train_loss
