@@ -277,6 +277,18 @@ def optimizer_step(model, optimizers, grad_clip):
 
 # ----------------------------------------------------------------------------- where the run runs
 
+def attempt_store(world_size, timeout):
+    """The process group's rendezvous keys, under a prefix of this torchrun attempt; None outside torchrun (then
+    init_process_group's env:// as usual). torchrun keeps one store for all the restarts of --max-restarts, and a
+    restarted worker could read the dead attempt's addresses and hang, or fail, connecting to them (gloo's
+    "connectFullMesh failed ... Connection refused", seen here after a kill -9)."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size, is_master=False,
+                          timeout=timeout)
+    return dist.PrefixStore(f"train.py/attempt_{os.environ['TORCHELASTIC_RESTART_COUNT']}", store)
+
+
 @dataclass
 class Env:
     """This process: its rank among world_size, its device, precision (autocast), whether it compiles, and whether
@@ -317,9 +329,11 @@ class Env:
                       f"compile=False, and document masks are dense SDPA masks", file=sys.stderr, flush=True)
             use_compile = False
         if distributed:
-            cuda = runtime.device.startswith("cuda")
-            dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=cfg.dist_timeout),
-                                    device_id=torch.device(runtime.device) if cuda else None)
+            cuda, timeout = runtime.device.startswith("cuda"), timedelta(seconds=cfg.dist_timeout)
+            store = attempt_store(world_size, timeout)
+            dist.init_process_group("nccl" if cuda else "gloo", timeout=timeout,
+                                    device_id=torch.device(runtime.device) if cuda else None,
+                                    **({} if store is None else dict(store=store, rank=rank, world_size=world_size)))
         return cls(rank, world_size, runtime, use_compile, distributed)
 
     def say(self, *args):
