@@ -218,9 +218,11 @@ def loglikelihoods(model, pairs, batch_size=32, dtype=torch.float32, desc=None, 
             logp = F.log_softmax(logits, dim=-1).gather(-1, targets[:, None])[:, 0]
             lens = [len(cont) for _, cont in batch]
             sums = torch.stack([part.sum() for part in logp.split(lens)]).tolist()  # float32 sums, as the harness
-            hits = [bool(part.all()) for part in (logits.argmax(-1) == targets).split(lens)]
-            for i, ll, hit in zip(order[s:s + batch_size], sums, hits):
-                lls[i] = (ll, hit) if greedy else ll
+            if greedy:  # the harness's is_greedy: an argmax over the vocabulary, only when asked for
+                hits = [bool(part.all()) for part in (logits.argmax(-1) == targets).split(lens)]
+                sums = list(zip(sums, hits))
+            for i, ll in zip(order[s:s + batch_size], sums):
+                lls[i] = ll
             bar.update(len(batch))
     return [lls[j] for j in which]
 

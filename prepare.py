@@ -208,11 +208,9 @@ class _ShardWriter:
         return self.files
 
 
-def tokenize(paths, data_dir, name=None, shard_tokens=10**8, val_tokens=10**7, workers=4,
-             tokenizer=None):
-    """Tokenise text files into data_dir/<name>_val_000000.bin and <name>_train_000001.bin, ...
-    (name defaults to data_dir's basename). Byte-identical output for any number of workers."""
-    data_dir = str(data_dir)
+def check_request(paths, data_dir, name, shard_tokens, val_tokens, workers, tokenizer):
+    """tokenize's input, checked before any work: the shard name it returns, the sizes, the inputs, no shards of
+    that name in data_dir yet, a tokenizer whose ids fit uint16."""
     name = name or os.path.basename(os.path.abspath(data_dir))
     # the readers find shards by '*_train_*.bin' / '*_val_*.bin': the name must not confuse them
     if not name or "/" in name or "_train_" in name + "_" or "_val_" in name + "_":
@@ -232,7 +230,15 @@ def tokenize(paths, data_dir, name=None, shard_tokens=10**8, val_tokens=10**7, w
     enc = load_encoding(tokenizer)  # in the main process too: a bad --tokenizer fails here, before any work
     if enc.n_vocab > 2**16:
         raise ValueError(f"{tokenizer}: {enc.n_vocab} tokens do not fit the uint16 shard format")
+    return name
 
+
+def tokenize(paths, data_dir, name=None, shard_tokens=10**8, val_tokens=10**7, workers=4,
+             tokenizer=None):
+    """Tokenise text files into data_dir/<name>_val_000000.bin and <name>_train_000001.bin, ...
+    (name defaults to data_dir's basename). Byte-identical output for any number of workers."""
+    data_dir = str(data_dir)
+    name = check_request(paths, data_dir, name, shard_tokens, val_tokens, workers, tokenizer)
     os.makedirs(data_dir, exist_ok=True)
     stage = tempfile.mkdtemp(prefix=f".{name}.", dir=data_dir)  # shards appear only if all succeeds
     t0, ndocs, pool, bar = time.time(), 0, None, None
