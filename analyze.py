@@ -49,8 +49,9 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from checkpoint import Runtime, check_checkpoint, load_model, trained_doc_mask
-from data import atomic_write, read_jsonl, val_batches
+from data import atomic_write, val_batches
 from model import document_mask
+from runlog import log_path, read_log, val_curve
 
 TOP_K = (1, 2, 3, 10)  # the top-k attention weights of Figure 4
 GATE_CLOSED = 0.2  # σ(g) below this counts towards gate sparsity (Figure 7b)
@@ -243,12 +244,10 @@ class Recorder:
 def read_curve(ckpt_path, step=None):
     """[step, val_loss] pairs from the log.jsonl that train.py writes next to its checkpoints, up to `step`
     (a ckpt_<step>.pt of the run's history sees the curve up to itself), or None without a log."""
-    log = os.path.join(os.path.dirname(ckpt_path), "log.jsonl")
-    if not os.path.isfile(log):
+    run_dir = os.path.dirname(ckpt_path)
+    if not os.path.isfile(log_path(run_dir)):
         return None
-    return [[e["step"], e["val_loss"]] for e in read_jsonl(log)
-            if isinstance(e, dict) and isinstance(e.get("val_loss"), (int, float))
-            and (step is None or e.get("step", 0) <= step)]
+    return [list(point) for point in val_curve(read_log(run_dir), step)]
 
 
 def windows(data_dir, tokens, batch_size, cfg):

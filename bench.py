@@ -25,9 +25,11 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+import parallel
 from configurator import help_text, key_comments, load_config, wants_help
 from model import EOT, GPT, GPTConfig, flops_per_token
-from train import ALL_DEFAULTS, Env, configure_optimizers, help_sections, muon_params, optimizer_step, split_config
+from optim import configure_optimizers, muon_params, step_optimizers
+from train import ALL_DEFAULTS, help_sections, split_config
 
 BENCH_DEFAULTS = dict(
     steps=5,  # timed steps per model per round
@@ -44,7 +46,7 @@ GPU_MODELS = ["configs/gated.py", "configs/dyn_exo.py"]  # the paper's pair at 4
 # docs/REFERENCE.md and issue 20 quote)
 PAPER_OVERHEAD = "8-15%"
 # What a GPU holds besides activations, per parameter: fp32 weights, gradients (DDP's buckets are the same memory:
-# train.data_parallel's gradient_as_bucket_view) and optimiser state (Muon: momentum + small NorMuon moments;
+# parallel.data_parallel's gradient_as_bucket_view) and optimiser state (Muon: momentum + small NorMuon moments;
 # AdamW: two moments); bytes per parameter.
 STATE_BYTES = {"muon": 4 + 4 + 4, "adam": 4 + 4 + 8}
 LOGIT_BYTES = 2 + 4 + 4  # a loss chunk's transient logits: bf16, fp32, and their gradient
@@ -89,7 +91,7 @@ def main(argv):
                 row = {**flat, key: on} if key else flat
                 runs.append(Row(name + f"+{key}" * bool(on), *split_config(row),
                                 {k: row[k] for k in BENCH_DEFAULTS}))  # checks every model before any work
-        env = Env.setup(runs[0].cfg)
+        env = parallel.join(runs[0].cfg)
     except (ValueError, FileNotFoundError) as e:
         sys.exit(f"bench.py: error: {e}")
     if runs[0].bench["memory"]:
@@ -260,7 +262,7 @@ def step(row, x, y, env):
         _, loss = row.forward(x, y, z_loss=row.cfg.z_loss, doc_mask=row.cfg.doc_mask)
     loss.backward()
     if row.optimizers:
-        optimizer_step(row.model, row.optimizers, row.cfg.grad_clip)
+        step_optimizers(row.model, row.optimizers, row.cfg.grad_clip)
     else:
         row.model.zero_grad(set_to_none=True)
     if cuda:

@@ -1,6 +1,6 @@
 """
 Checkpoints: the one place that knows their format, as data.py is for shards, and where a loaded model gets
-its device and precision. Every tool reads a checkpoint here; train.py writes them here.
+its device and precision. Every tool reads a checkpoint here; train.py builds and writes them here.
 
 A checkpoint is a torch.save'd dict of tensors and plain types, read with torch.load(weights_only=True), so a
 checkpoint can never run code:
@@ -14,9 +14,11 @@ A weights-only checkpoint (convert.py's exports, train.py's keep_every history) 
 """
 import contextlib
 import os
+import random
 import sys
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
+import numpy as np
 import torch
 
 from data import atomic_write
@@ -24,6 +26,16 @@ from model import GPT, GPTConfig
 
 WEIGHTS = ("model", "model_config", "step", "config", "source")  # what a weights-only checkpoint keeps
 RESUME = ("model", "model_config", "step", "optimizers", "loader", "rng")  # what resuming needs
+
+
+def checkpoint_path(out_dir):
+    """A run's resume checkpoint, the one --init_from=resume and auto continue from."""
+    return os.path.join(out_dir, "ckpt.pt")
+
+
+def kept_path(out_dir, step):
+    """The weights-only copy of a step that keep_every keeps beside the resume checkpoint."""
+    return os.path.join(out_dir, f"ckpt_{step:06d}.pt")
 
 
 def save_checkpoint(path, state):
@@ -51,6 +63,91 @@ def load_checkpoint(path, keys=("model", "model_config"), mmap=False):
     if missing:
         raise ValueError(f"{path}: no {', '.join(missing)} in this checkpoint")
     return ckpt
+
+
+def resume_state(model, config, step, optimizers, loader, pending_log=None):
+    """The resume checkpoint of a training run at `step`: what --init_from=resume needs to continue it bit for bit
+    (config: train.py's whole configuration, flat; pending_log: the log entry of a stop at an evaluation step)."""
+    return {"model": model.state_dict(), "model_config": asdict(model.config), "config": config, "step": step,
+            "optimizers": [opt.state_dict() for opt in optimizers], "loader": loader.state_dict(),
+            "rng": rng_state(), **({"pending_log": pending_log} if pending_log else {})}
+
+
+def exported_state(model, config, step, source):
+    """A weights-only checkpoint of a model (WEIGHTS): what eval.py, sample.py, analyze.py and convert.py read."""
+    return {"model": model.state_dict(), "model_config": asdict(model.config), "step": step, "config": config,
+            "source": source}
+
+
+def load_resume(path, init_from, eval_only):
+    """The checkpoint a train.py run starts from (loaded to the CPU: RNG states must stay CPU tensors), or None for
+    a new run. auto: the one at path if there is one; a file there that is not a resumable checkpoint is an
+    error, never overwritten."""
+    if eval_only:
+        return load_checkpoint(path, ("model", "model_config", "step"))
+    if init_from == "resume" or (init_from == "auto" and os.path.exists(path)):
+        try:
+            return load_checkpoint(path, RESUME)
+        except ValueError as e:
+            raise ValueError(f"{e}; a run resumes from train.py's own <out_dir>/ckpt.pt, not a weights-only "
+                             f"copy") from None
+    return None
+
+
+def resumed_model_config(ckpt, given, path):
+    """The GPTConfig of a checkpoint that a run continues or evaluates (a field it lacks, added to GPTConfig
+    later, takes its default); the model keys that config files or overrides set (given) must agree with it."""
+    config = GPTConfig.from_dict(ckpt["model_config"], f"{path}: model_config")
+    saved = asdict(config)
+    conflict = [k for k in saved if k in given and given[k] != saved[k]]
+    if conflict:
+        show = lambda d: ", ".join(f"{k}={d[k]!r}" for k in conflict)
+        raise ValueError(f"{path}: its model has {show(saved)}, the configuration sets {show(given)} "
+                         f"(leave the model keys out to take the checkpoint's)")
+    return config
+
+
+def restore_training(ckpt, optimizers, loader):
+    """A resume checkpoint's optimiser states, data position and RNG states put back; returns its pending_log."""
+    for opt, state in zip(optimizers, ckpt["optimizers"]):
+        opt.load_state_dict(state)
+    loader.load_state_dict(ckpt["loader"])
+    set_rng_state(ckpt["rng"])
+    return ckpt.get("pending_log")
+
+
+def rng_state():
+    """Python's, numpy's, torch's (and CUDA's) RNG states, as a checkpoint keeps them."""
+    np_state = np.random.get_state()
+    state = {"python": random.getstate(), "torch": torch.get_rng_state(),
+             "numpy": (np_state[0], np_state[1].tolist(), *np_state[2:])}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state):
+    random.setstate(state["python"])
+    torch.set_rng_state(state["torch"])
+    name, keys, *rest = state["numpy"]
+    np.random.set_state((name, np.array(keys, dtype=np.uint32), *rest))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def disk_plan(out_dir, model, optimizers, ckpt_interval, kept, keep_every):
+    """One line: what a run's checkpoints will take on disk (the resume one every ckpt_interval steps, `kept`
+    weights-only ones every keep_every), and what the disk has free."""
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    muon, adam = (sum(p.numel() for g in opt.param_groups for p in g["params"]) for opt in optimizers)
+    resume = weights + 4 * muon + 8 * adam  # + Muon's momentum, AdamW's two moments (fp32)
+    os.makedirs(out_dir, exist_ok=True)
+    stat = os.statvfs(out_dir)
+    gb = lambda n: f"{n / 1e9:,.2f} GB"
+    return (f"checkpoints: {checkpoint_path(out_dir)} ~{gb(resume)}, every {ckpt_interval} steps" +
+            (f"; {kept} weights-only ckpt_<step>.pt of ~{gb(weights)} (every {keep_every} steps): "
+             f"{gb(kept * weights)} more" if keep_every else "") +
+            f"; {gb(stat.f_bavail * stat.f_frsize)} free there")
 
 
 def check_state(config, state_dict, source):

@@ -14,9 +14,9 @@ file (oldmodels/model1..4.py, model.py) wrote such files, with different names f
 their_config reads the variant from the flags and the tensors present, from_authors maps the names.
 Everything is read with torch.load(weights_only=True): a checkpoint can never run code.
 
-The Hub is read through its public JSON API (data.get_json): GET /api/models?author=USER lists a user's
+The Hub is read through its public JSON API (httpclient.get_json): GET /api/models?author=USER lists a user's
 repositories, GET /api/models/OWNER/NAME?blobs=true a repository's files and their sizes, and files come from
-/OWNER/NAME/resolve/main/FILENAME (data.download_file).
+/OWNER/NAME/resolve/main/FILENAME (httpclient.download_file).
 """
 import argparse
 import glob
@@ -29,7 +29,7 @@ from dataclasses import asdict
 import torch
 
 from configurator import load_config
-from data import ByteBar, DownloadError, download_file, get_json
+from httpclient import ByteBar, DownloadError, download_file, get_json
 from checkpoint import check_state, load_checkpoint, save_checkpoint
 from model import GRANULARITY_SHAPES, PROJECTIONS, GPTConfig
 

@@ -28,7 +28,8 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from checkpoint import Runtime, check_checkpoint, load_model
-from data import DownloadError, atomic_write, get_json, load_encoding, read_jsonl
+from data import atomic_write, load_encoding, read_jsonl
+from httpclient import DownloadError, get_json
 from model import generate
 
 # -----------------------------------------------------------------------------
@@ -386,7 +387,7 @@ OFFLINE = "copy {} from a machine where eval.py ran once (docs/REFERENCE.md, Eva
 
 
 def download_split(base_url, repo, config, split, expected_rows, desc=None, offline=OFFLINE.format("data/eval")):
-    """All rows of one split, in order, from the dataset-viewer API's paged /rows endpoint (data.get_json)."""
+    """All rows of one split, in order, from the dataset-viewer API's paged /rows endpoint (httpclient.get_json)."""
     url = base_url.rstrip("/") + "/rows"
     rows = []
     with tqdm(total=expected_rows, desc=desc, unit="row", disable=desc is None) as bar:

@@ -176,11 +176,11 @@ class Block(nn.Module):
 
 @dataclass(frozen=True)
 class GPTConfig:
-    block_size: int = 2048
+    block_size: int = 2048  # sequence length: the model's longest context, and the training windows'
     vocab_size: int = 50304  # GPT-2's 50257 padded to a multiple of 128
-    n_layer: int = 32
-    n_head: int = 16
-    n_embd: int = 1024
+    n_layer: int = 32  # transformer blocks (L)
+    n_head: int = 16  # attention heads (H); n_embd/H must be even
+    n_embd: int = 1024  # model width (C)
     rope_theta: float = 500000.0  # the authors' ModelConfig
     gate: bool = False  # Gated Attention: sigmoid gate on the attention output
     anchor: str = "none"  # where anchors come from: 'none', 'internal' (layer 1) or 'exo' (the embeddings)

@@ -19,7 +19,8 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 import numpy as np
 from tqdm import tqdm
 
-from data import ByteBar, DownloadError, download_file, load_encoding, read_header, read_jsonl, write_shard
+from data import load_encoding, read_header, read_jsonl, write_shard
+from httpclient import ByteBar, DownloadError, download_file
 
 BASE_URL = "https://huggingface.co/datasets/kjj0/finewebedu10B-gpt2/resolve/main"
 NUM_TRAIN_SHARDS = 99  # finewebedu_train_000001 ... 000099 of kjj0/finewebedu10B-gpt2

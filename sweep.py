@@ -27,11 +27,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-import train
-from checkpoint import load_checkpoint
-from data import atomic_write, find_shards, read_jsonl
+from checkpoint import checkpoint_path, load_checkpoint
+from configurator import read_args
+from data import atomic_write, find_shards
 from model import GPTConfig
-from train import MODEL_KEYS
+from parallel import PREEMPTED
+from runlog import log_path, read_log, val_curve
+from train import ALL_DEFAULTS, MODEL_KEYS, split_config
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 POLL = 0.2  # seconds between looks at the running processes
@@ -54,7 +56,7 @@ class Run:
     def finished(self):
         """Whether the run already holds its last step's checkpoint (a cheap read: nothing is loaded)."""
         try:
-            return load_checkpoint(os.path.join(self.dir, "ckpt.pt"), ("step",), mmap=True)["step"] >= self.max_steps
+            return load_checkpoint(checkpoint_path(self.dir), ("step",), mmap=True)["step"] >= self.max_steps
         except (FileNotFoundError, ValueError):
             return False
 
@@ -90,7 +92,7 @@ def plan(configs, seeds, budgets, overrides, out_dir):
         missing = [f for f in files if not os.path.isfile(f)]
         if missing:
             raise ValueError(f"{config}: no config file {missing[0]}")
-        cfg, _ = train.check_args(files + overrides)  # raises ValueError naming the key or file
+        cfg = check_run(files + overrides)  # raises ValueError naming the key or file
         for split in ("train", "val"):  # present, at least (train.py checks their contents)
             find_shards(cfg.data_dir, split)
         for budget in budgets:
@@ -98,7 +100,7 @@ def plan(configs, seeds, budgets, overrides, out_dir):
             if steps < 1:
                 raise ValueError(f"--budgets: {budget:g} of max_steps={cfg.max_steps} is no step at all")
             if budget != 1:
-                train.check_args(files + overrides + [f"--max_steps={steps}"])
+                check_run(files + overrides + [f"--max_steps={steps}"])
             variant = "+".join(os.path.basename(f).removesuffix(".py") for f in files)
             runs.append((variant, files, budget, steps))
     names = [v for v, *_ in runs]
@@ -106,6 +108,14 @@ def plan(configs, seeds, budgets, overrides, out_dir):
     if twice:
         raise ValueError(f"variant {twice[0]} given twice (its runs would share directories)")
     return [Run(v, files, seed, b, steps, overrides, out_dir) for seed in seeds for v, files, b, steps in runs]
+
+
+def check_run(args):
+    """The TrainConfig that args give a new train.py run, checked as train.py checks it before it runs one process:
+    keys, types, the model and the batch layout (no file is read but the config files)."""
+    cfg, model_config = split_config({**ALL_DEFAULTS, **read_args(args, ALL_DEFAULTS)})
+    cfg.micro_steps(model_config, 1)
+    return cfg
 
 
 def slots(parallel):
@@ -166,7 +176,7 @@ def sweep(runs, parallel):
                     left = len(todo) + len(busy)
                     eta = f"ETA {minutes(sum(durations) / len(durations) * left / parallel)}" if left else "all done"
                     print(f"[{done}/{total}] done {r.name} in {minutes(elapsed)}; {eta}", flush=True)
-                elif code == train.PREEMPTED:
+                elif code == PREEMPTED:
                     print(f"[{done}/{total}] stopped {r.name} after {minutes(elapsed)}: it resumes next time", flush=True)
                 else:
                     failed.append(r)
@@ -175,7 +185,7 @@ def sweep(runs, parallel):
         for s, handler in previous.items():
             signal.signal(s, handler)
     if stopping:
-        sys.exit(train.PREEMPTED)
+        sys.exit(PREEMPTED)
     return failed
 
 
@@ -217,15 +227,11 @@ class RunLog:
 
 def read_run(path):
     """The RunLog of a run directory, or a ValueError saying why it is none."""
-    log = os.path.join(path, "log.jsonl")
-    if not os.path.isfile(log):
-        raise ValueError(f"{path}: no log.jsonl (not a train.py run directory)")
-    entries = list(read_jsonl(log))
+    entries = read_log(path)
     configs = [e["config"] for e in entries if "config" in e]
     if not configs:
-        raise ValueError(f"{log}: no configuration record (not written by train.py)")
-    curve = [(e["step"], e["val_loss"]) for e in entries if isinstance(e.get("val_loss"), (int, float))]
-    return RunLog(path, configs[-1], curve)
+        raise ValueError(f"{log_path(path)}: no configuration record (not written by train.py)")
+    return RunLog(path, configs[-1], val_curve(entries))
 
 
 def t_interval(xs):

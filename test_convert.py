@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import convert
-import data
+import httpclient
 import eval as ev
 import train
 from configurator import load_config
@@ -290,8 +290,8 @@ def test_refuses_files_that_are_not_checkpoints(tmp_path, monkeypatch):
 
 @pytest.fixture
 def fast(monkeypatch):
-    monkeypatch.setattr(data, "BACKOFF", 0.0)
-    monkeypatch.setattr(data, "TIMEOUT", (2, 1))
+    monkeypatch.setattr(httpclient, "BACKOFF", 0.0)
+    monkeypatch.setattr(httpclient, "TIMEOUT", (2, 1))
 
 
 def saved(ckpt):
@@ -388,7 +388,7 @@ def test_list_shows_repositories_checkpoints_sizes_and_variants(server, fast, tm
 
 
 def test_truncated_download_is_never_used(server, fast, tmp_path, monkeypatch):
-    monkeypatch.setattr(data, "MAX_TRIES", 2)
+    monkeypatch.setattr(httpclient, "MAX_TRIES", 2)
     server.files["J/T/resolve/main/ckpt_step%3A38146.pt"] = saved(their_checkpoint(random_model(), "model1"))[:-100]
     cache = tmp_path / "cache"
     msg = refused(["J/T", "--cache_dir", str(cache), "--base_url", server.url], tmp_path)
@@ -401,7 +401,7 @@ def test_truncated_download_is_never_used(server, fast, tmp_path, monkeypatch):
     ("J/T", "/api/models/J/T", "copy a checkpoint of J/T into {cache}/J/T from"),
 ])
 def test_unreachable_host_fails_at_once_with_the_offline_hint(src, url, hint, closed_url, tmp_path, monkeypatch):
-    monkeypatch.setattr(data.time, "sleep", lambda s: pytest.fail(f"slept {s}s before retrying"))
+    monkeypatch.setattr(httpclient.time, "sleep", lambda s: pytest.fail(f"slept {s}s before retrying"))
     cache = tmp_path / "cache"
     msg = refused([src, "--cache_dir", str(cache), "--base_url", closed_url], tmp_path)
     assert msg.startswith(f"convert.py: error: {closed_url}{url}: cannot connect (") and "Connection refused" in msg

@@ -10,6 +10,8 @@ import pytest
 import torch
 
 import bench
+import optim
+import parallel
 import train
 from model import GPT, KVCache, document_mask, generate
 from test_model import FAMILIES, compiled_graphs, fresh_dynamo, layouts, randomize, tokens, variant  # noqa: F401
@@ -70,13 +72,13 @@ def test_compiled_step_with_a_new_block_mask_each_batch_compiles_once(fresh_dyna
     AdamW): 20 batches of different document layouts run the one graph compiled for the first."""
     torch.manual_seed(0)
     model = GPT(variant("dyn_exo", vocab_size=50304, block_size=256)).to(DEVICE)
-    optimizers = train.configure_optimizers(model, train.TrainConfig())
+    optimizers = optim.configure_optimizers(model, train.TrainConfig())
     compiled = torch.compile(model)
     for x, y in windows(model.config, 20):
         with torch.autocast("cuda", dtype=torch.bfloat16):
             _, loss = compiled(x, y, z_loss=1e-5, doc_mask=True)
         loss.backward()
-        assert math.isfinite(train.optimizer_step(model, optimizers, 1.0)) and math.isfinite(loss.item())
+        assert math.isfinite(optim.step_optimizers(model, optimizers, 1.0)) and math.isfinite(loss.item())
     assert compiled_graphs() == 1
 
 
@@ -85,7 +87,7 @@ def test_mask_build_step_and_optimisers_never_wait_for_the_gpu(fresh_dynamo):
     leaves the GPU idle while they launch) in the eager mask build, the compiled forward and backward, and both
     optimisers' steps: torch.cuda.set_sync_debug_mode("error") raises at any. Compiled first, outside it."""
     model = GPT(variant("dyn_exo", vocab_size=50304, block_size=256)).to(DEVICE)
-    optimizers = train.configure_optimizers(model, train.TrainConfig())
+    optimizers = optim.configure_optimizers(model, train.TrainConfig())
     compiled = torch.compile(model)
     for i, (x, y) in enumerate(windows(model.config, 3)):
         torch.cuda.synchronize()
@@ -170,12 +172,12 @@ def test_peak_memory_of_a_step_against_bench_memory_estimate():
             "--doc_mask=False"]  # activations well above the loss chunk's logits, as at 450M
     row, = bench.main(["configs/dyn_exo.py", "--memory=True"] + size)
     estimate = row.state + row.cfg.batch_size * row.total
-    env = train.Env.setup(row.cfg)
+    env = parallel.join(row.cfg)
     x, y = bench.synthetic_batch(row.cfg.batch_size, row.config.block_size, row.config.vocab_size, 1000, env.device)
     torch.manual_seed(0)
     model = GPT(row.config).to(DEVICE)
     timed = bench.Row("dyn_exo", row.cfg, row.config, row.bench, model=model, forward=model,
-                      optimizers=train.configure_optimizers(model, row.cfg))
+                      optimizers=optim.configure_optimizers(model, row.cfg))
     bench.step(timed, x, y, env)  # the optimiser states exist from here on
     torch.cuda.reset_peak_memory_stats()
     bench.step(timed, x, y, env)

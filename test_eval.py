@@ -19,7 +19,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-import data
+import httpclient
 import eval as ev
 
 # -----------------------------------------------------------------------------
@@ -419,8 +419,8 @@ class FakeAPI:
 
 @pytest.fixture
 def api(monkeypatch):
-    monkeypatch.setattr(data, "BACKOFF", 0.001)
-    monkeypatch.setattr(data, "MAX_TRIES", 4)
+    monkeypatch.setattr(httpclient, "BACKOFF", 0.001)
+    monkeypatch.setattr(httpclient, "MAX_TRIES", 4)
     a = FakeAPI()
     yield a
     a.stop()
@@ -484,7 +484,7 @@ def test_download_errors_are_clear(api, tmp_path):
     assert len(api.log) == 1  # a 4xx is not retried
     api.splits[("r", "c", "s")] = obqa_rows(3)
     api.fail = [500] * 4
-    with pytest.raises(data.DownloadError, match="giving up after 4 failed attempts in a row \\(last: HTTP 500"):
+    with pytest.raises(httpclient.DownloadError, match="giving up after 4 failed attempts in a row \\(last: HTTP 500"):
         ev.download_split(api.url, "r", "c", "s", 3)
 
 
@@ -492,8 +492,8 @@ def test_download_errors_are_clear(api, tmp_path):
 def test_unreachable_server_fails_at_once_with_the_offline_hint(where, closed_url, tmp_path, monkeypatch):
     """No connection at all (offline): no retries, no waiting, and the way out."""
     url = closed_url if where == "refused" else "http://nonexistent.invalid"
-    monkeypatch.setattr(data.time, "sleep", lambda s: pytest.fail(f"slept {s}s before retrying"))
-    with pytest.raises(data.DownloadError) as e:
+    monkeypatch.setattr(httpclient.time, "sleep", lambda s: pytest.fail(f"slept {s}s before retrying"))
+    with pytest.raises(httpclient.DownloadError) as e:
         ev.load_split("piqa", "eval", str(tmp_path / "eval"), url, progress=False)
     msg = str(e.value)
     assert msg.startswith(f"{url}/rows: cannot connect (") and "\n" not in msg
@@ -553,7 +553,7 @@ def small_data(data_dir, n_eval=6, n_pool=10):
 def test_cli_end_to_end(tmp_path, enc, enc_file):
     from model import GPT, GPTConfig
     from checkpoint import load_model
-    from train import save_checkpoint
+    from checkpoint import save_checkpoint
     data_dir = tmp_path / "data"
     small_data(str(data_dir))
     torch.manual_seed(0)
@@ -595,7 +595,7 @@ def test_cli_end_to_end(tmp_path, enc, enc_file):
 
 def test_cli_refuses_drop_anchor_without_anchors(tmp_path, enc_file):
     from model import GPT, GPTConfig
-    from train import save_checkpoint
+    from checkpoint import save_checkpoint
     cfg = GPTConfig(n_layer=1, n_head=2, n_embd=16, block_size=32, vocab_size=384)
     ckpt = tmp_path / "base.pt"
     save_checkpoint(str(ckpt), {"model": GPT(cfg).state_dict(), "model_config": dataclasses.asdict(cfg)})

@@ -173,13 +173,13 @@ def test_a_killed_worker_under_max_restarts_restarts_from_the_last_checkpoint(da
 HANG = """import signal, sys, time
 sys.path.insert(0, {root!r})
 import train
-step = train.train_step
+micro_batches = train.micro_batches
 def hang(run):  # rank 1 stops calling collectives before step 3, and dies on SIGTERM like a stuck process
-    if run.env.rank == 1 and run.step == 2:
+    if run.worker.rank == 1 and run.step == 2:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         time.sleep(600)
-    return step(run)
-train.train_step = hang
+    return micro_batches(run)
+train.micro_batches = hang
 train.main(sys.argv[1:])
 """
 

@@ -16,7 +16,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import numpy as np
 import pytest
 
-import data
+import httpclient
 import prepare
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -126,8 +126,8 @@ def server():
 
 @pytest.fixture(autouse=True)
 def fast_retries(monkeypatch):
-    monkeypatch.setattr(data, "BACKOFF", 0.0)
-    monkeypatch.setattr(data, "TIMEOUT", (2, 0.3))
+    monkeypatch.setattr(httpclient, "BACKOFF", 0.0)
+    monkeypatch.setattr(httpclient, "TIMEOUT", (2, 0.3))
 
 
 def publish(srv, n_train, big=()):
@@ -169,7 +169,7 @@ def test_short_body_is_completed_with_a_range_request(server, tmp_path):
     name = prepare.shard_names(1)[1]
     (tmp_path / (name + ".part")).write_bytes(files[name][:5000])  # left by an interrupted run
     server.faults = {name: ["short"]}  # answers bytes 5000- of a 'longer' file
-    data.download_file(f"{server.url}/{name}", str(tmp_path / name), check=prepare.valid_shard)
+    httpclient.download_file(f"{server.url}/{name}", str(tmp_path / name), check=prepare.valid_shard)
     assert (tmp_path / name).read_bytes() == files[name]
     assert [(r, s) for n, r, s in server.log if n == name] == [("bytes=5000-", 206),
                                                                 (f"bytes={len(files[name])}-", 416),
@@ -222,22 +222,22 @@ def test_404_names_the_url(server, tmp_path):
 
 
 def test_invalid_file_is_never_put_in_place(server, tmp_path, monkeypatch):
-    monkeypatch.setattr(data, "MAX_TRIES", 3)
+    monkeypatch.setattr(httpclient, "MAX_TRIES", 3)
     name = prepare.shard_names(1)[1]
     server.files[name] = shard_bytes(np.arange(100))[:-10]  # header says 100 tokens, body has 95
-    with pytest.raises(data.DownloadError, match=r"giving up after 3 .*not a valid shard.*expected 1224"):
-        data.download_file(f"{server.url}/{name}", str(tmp_path / name), check=prepare.valid_shard)
+    with pytest.raises(httpclient.DownloadError, match=r"giving up after 3 .*not a valid shard.*expected 1224"):
+        httpclient.download_file(f"{server.url}/{name}", str(tmp_path / name), check=prepare.valid_shard)
     assert os.listdir(tmp_path) == []
     assert len(server.log) == 3
 
 
 def test_persistent_5xx_gives_up(server, tmp_path, monkeypatch):
-    monkeypatch.setattr(data, "MAX_TRIES", 4)
+    monkeypatch.setattr(httpclient, "MAX_TRIES", 4)
     files = publish(server, 1)
     name = prepare.shard_names(1)[1]
     server.faults = {name: ["503"] * 10}
-    with pytest.raises(data.DownloadError, match=f"{server.url}/{name}: giving up after 4 .*503"):
-        data.download_file(f"{server.url}/{name}", str(tmp_path / name), check=prepare.valid_shard)
+    with pytest.raises(httpclient.DownloadError, match=f"{server.url}/{name}: giving up after 4 .*503"):
+        httpclient.download_file(f"{server.url}/{name}", str(tmp_path / name), check=prepare.valid_shard)
     assert len(server.log) == 4 and os.listdir(tmp_path) == []
     assert name in files
 
@@ -246,7 +246,7 @@ def test_persistent_5xx_gives_up(server, tmp_path, monkeypatch):
 def test_unreachable_host_fails_at_once_with_the_offline_hint(where, closed_url, tmp_path, monkeypatch):
     """No connection at all (offline): no retries, no waiting, one line naming the URL and the way out."""
     url = closed_url if where == "refused" else "http://nonexistent.invalid/shards"
-    monkeypatch.setattr(data.time, "sleep", lambda s: pytest.fail(f"slept {s}s before retrying"))
+    monkeypatch.setattr(httpclient.time, "sleep", lambda s: pytest.fail(f"slept {s}s before retrying"))
     out = tmp_path / "shards"
     with pytest.raises(SystemExit) as e:
         prepare.main(["--data_dir", str(out), "--train_shards", "1", "--workers", "2", "--base_url", url])

@@ -1,5 +1,6 @@
 """Tests of train.py: Muon, schedules, DDP equivalence, exact resume, checkpoints, errors, end to end."""
 import contextlib
+import gc
 import json
 import os
 import signal
@@ -22,12 +23,16 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
 
 import model
+import optim
+import parallel
+import runlog
 import train
 from checkpoint import Runtime, load_checkpoint
 from configurator import load_config
 from data import write_shard
 from model import EOT, GPT, GPTConfig, flops_per_token
-from train import DEFAULTS, Muon, TrainConfig, lr_multiplier, muon_momentum, polar_express
+from optim import Muon, polar_express
+from train import DEFAULTS, TrainConfig, lr_multiplier, muon_momentum
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 VOCAB = 256
@@ -174,13 +179,13 @@ def muon_step_ops(config_file, **keys):
     cfg, model_config = train.split_config({**load_config([config_file], train.ALL_DEFAULTS), **keys})
     with torch.device("meta"):
         net = GPT(model_config)
-    muon, _ = train.configure_optimizers(net, cfg)
-    for p in train.muon_params(net):
+    muon, _ = optim.configure_optimizers(net, cfg)
+    for p in optim.muon_params(net):
         p.grad = torch.zeros_like(p)
     muon.step()  # its state made
     with DispatchCount() as count:
         muon.step()
-    return count.ops, len(train.muon_params(net))
+    return count.ops, len(optim.muon_params(net))
 
 
 def test_muon_dispatches_per_shape_not_per_matrix():
@@ -247,7 +252,7 @@ def test_sharded_muon_equals_unsharded(tmp_path):
 def test_every_parameter_in_exactly_one_optimizer_group():
     model = GPT(GPTConfig(n_layer=2, n_embd=32, n_head=2, vocab_size=64, block_size=16, gate=True,
                           anchor="exo", mix="qkvg", granularity="elementwise", anchor_norm=True, dynamic=True))
-    muon, adam = train.configure_optimizers(model, TrainConfig())
+    muon, adam = optim.configure_optimizers(model, TrainConfig())
     names = {id(p): n for n, p in model.named_parameters()}
     muon_names = {names[id(p)] for g in muon.param_groups for p in g["params"]}
     adam_names = {names[id(p)] for g in adam.param_groups for p in g["params"]}
@@ -262,17 +267,17 @@ def test_optimizers_route_by_role_not_by_shape():
     layer it adds inside the network goes to Muon. The start-up line counts what each optimiser holds."""
     model = GPT(GPTConfig(n_layer=2, n_embd=32, n_head=2, vocab_size=64, block_size=16, gate=True,
                           anchor="exo", mix="v", granularity="elementwise"))
-    muon_before = len(train.configure_optimizers(model, TrainConfig())[0].param_groups[0]["params"])
+    muon_before = len(optim.configure_optimizers(model, TrainConfig())[0].param_groups[0]["params"])
     model.blocks[0].attn.register_parameter("lam_table", torch.nn.Parameter(torch.ones(2, 32)))  # 2-D
     model.blocks[1].extra = torch.nn.Linear(32, 32, bias=False)
-    muon, adam = train.configure_optimizers(model, TrainConfig())
+    muon, adam = optim.configure_optimizers(model, TrainConfig())
     in_muon = {id(p) for g in muon.param_groups for p in g["params"]}
     in_adam = {id(p) for g in adam.param_groups for p in g["params"]}
     assert id(model.blocks[0].attn.lam_table) in in_adam and id(model.blocks[0].attn.lam_table) not in in_muon
     assert id(model.blocks[1].extra.weight) in in_muon and len(in_muon) == muon_before + 1
     assert in_muon | in_adam == {id(p) for p in model.parameters()} and not in_muon & in_adam
     n_muon = sum(model.get_parameter(n).numel() for n, p in model.named_parameters() if id(p) in in_muon)
-    assert train.describe_optimizers([muon, adam]) == (
+    assert optim.describe_optimizers([muon, adam]) == (
         f"optimisers: Muon {len(in_muon)} tensors ({n_muon:,} parameters), AdamW {len(in_adam)} tensors "
         f"({model.num_params() - n_muon:,} parameters)")
 
@@ -312,9 +317,12 @@ def check_process_group_and_ddp(monkeypatch, device="cpu", backend="aot_eager", 
     monkeypatch.setattr(dist, "init_process_group", lambda *a, **k: seen.update(k) or init(*a, **k))
     for key, value in dict(RANK=0, WORLD_SIZE=1, LOCAL_RANK=0, MASTER_ADDR="127.0.0.1", MASTER_PORT=free_port()).items():
         monkeypatch.setenv(key, str(value))
-    env = train.Env.setup(TrainConfig(dist_timeout=123, device=device))
-    run, ddp, freed = types.SimpleNamespace(train_model=None), None, None
-    try:
+    ended_with = []  # whether the DDP wrapper was still alive when the process group ended
+    destroy = dist.destroy_process_group
+    monkeypatch.setattr(dist, "destroy_process_group", lambda: ended_with.append(freed() is not None) or destroy())
+    worker = parallel.join(TrainConfig(dist_timeout=123, device=device))
+    with contextlib.ExitStack() as cleanup, worker as env:  # a failed assertion leaves the group: end it anyway
+        cleanup.callback(lambda: dist.is_initialized() and destroy())
         assert env.distributed and seen["timeout"] == timedelta(seconds=123)
         assert dist.get_backend() == ("nccl" if env.device.startswith("cuda") else "gloo")
         torch.manual_seed(0)
@@ -327,27 +335,43 @@ def check_process_group_and_ddp(monkeypatch, device="cpu", backend="aot_eager", 
         net(idx[:, :-1], idx[:, 1:], doc_mask=True)[1].backward()
         plain = [p.grad.clone() for p in net.parameters()]
         net.zero_grad(set_to_none=True)
-        assert train.data_parallel(net, env).bucket_bytes_cap == train.DDP_BUCKET_MB * 2**20
+        assert parallel.data_parallel(net, env).bucket_bytes_cap == parallel.DDP_BUCKET_MB * 2**20
         torch._dynamo.reset()
         counters.clear()
         # 1 MiB buckets (DDP's first bucket size, the least DDPOptimizer takes) cut this 12 MiB model in two
-        run.train_model = ddp = train.data_parallel(torch.compile(net, backend=backend), env, bucket_mb=1)
+        ddp = parallel.data_parallel(torch.compile(net, backend=backend), env, bucket_mb=1)
         freed = weakref.ref(ddp)
         assert ddp.gradient_as_bucket_view and not ddp.will_sync_module_buffers()
         ddp(idx[:, :-1], idx[:, 1:], doc_mask=True)[1].backward()
         assert counters["stats"]["unique_graphs"] == 1 and counters["aot_autograd"]["total"] == 2  # two parts
         same = torch.equal if close is None else lambda a, b: torch.allclose(a, b, **close)
         assert all(same(p.grad, g) for p, g in zip(net.parameters(), plain))
-    finally:
-        ddp = None
-        env.teardown(run)
-    # teardown freed the DDP wrapper (and its reducer) while the process group still existed
-    assert run.train_model is None and freed() is None
+        ddp = None  # what nothing holds any more is freed (a garbage collection: DDP sits in reference cycles)
+    # ... before the process group ends, not by the interpreter at exit, after it (the deadlock of a reducer freed late)
+    assert ended_with == [False]
 
 
 def test_process_group_timeout_and_ddp_arguments(monkeypatch):
     """On gloo, with aot_eager: the split, not inductor's kernels, is under test."""
     check_process_group_and_ddp(monkeypatch)
+
+
+def test_train_frees_its_ddp_wrapper_before_the_process_group_ends(data_dir, tmp_path, monkeypatch):
+    """train.main under torchrun (one process here): when the group ends, no DDP wrapper of the run is alive."""
+    for key, value in dict(RANK=0, WORLD_SIZE=1, LOCAL_RANK=0, MASTER_ADDR="127.0.0.1", MASTER_PORT=free_port()).items():
+        monkeypatch.setenv(key, str(value))
+    made, alive_at_end = [], []  # the wrappers' types; the DDP objects still in memory (garbage too) at the end
+    wrap = parallel.data_parallel
+    monkeypatch.setattr(parallel, "data_parallel", lambda *a, **k: made.append(type(m := wrap(*a, **k))) or m)
+    destroy = dist.destroy_process_group
+    monkeypatch.setattr(dist, "destroy_process_group", lambda: alive_at_end.append(
+        sum(type(o) is parallel.DDP for o in gc.get_objects())) or destroy())
+    try:
+        train.main(SMALL + [f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--max_steps=2"])
+    finally:  # a failed run leaves the group: end it for the tests after this one
+        if dist.is_initialized():
+            destroy()
+    assert made == [parallel.DDP] and alive_at_end == [0]
 
 
 # ----------------------------------------------------------------------------- resume
@@ -629,14 +653,21 @@ def test_help_lists_every_key_with_its_default_and_meaning():
 
 
 def test_every_key_has_exactly_one_meaning():
-    """Training keys are explained next to their default in train.py, model keys in model.py's GPTConfig;
-    train.MODEL_KEY_MEANINGS only fills in the fields model.py leaves without a comment."""
+    """Training keys are explained next to their default in train.py's TrainConfig, model keys next to theirs in
+    model.py's GPTConfig: every key once, and --help reads them from there."""
     import model
     from configurator import key_comments
     assert set(key_comments(train.__file__, "TrainConfig")) == set(DEFAULTS)
-    in_model = key_comments(model.__file__, "GPTConfig")
-    assert not set(in_model) & set(train.MODEL_KEY_MEANINGS), "described twice: drop them from MODEL_KEY_MEANINGS"
-    assert set(in_model) | set(train.MODEL_KEY_MEANINGS) | set(DEFAULTS) == set(train.ALL_DEFAULTS)
+    assert set(key_comments(model.__file__, "GPTConfig")) == set(train.MODEL_KEYS)
+    assert not set(DEFAULTS) & set(train.MODEL_KEYS)
+
+
+def test_the_trainer_imports_no_network_package():
+    """train.py and what it imports stay off the network: the HTTP client is httpclient.py's, for the tools that
+    download."""
+    r = subprocess.run([sys.executable, "-c", "import sys, train; print(sorted({'requests', 'urllib3', 'httpclient'}"
+                        " & set(sys.modules)))"], cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 0 and r.stdout.strip() == "[]", r.stdout + r.stderr
 
 
 def test_bench_help(capsys):
@@ -715,22 +746,22 @@ def test_compiled_training_compiles_once_for_every_layout(doc_data_dir, tmp_path
 
 def test_step_times_leave_out_each_starts_first_step():
     """The log's step time (and MFU) leaves out the first step of a (re)start, which holds compilation."""
-    assert train.step_seconds([50.0, 1.0, 2.0], 10) == 1.5
-    assert train.step_seconds([50.0, 1.0, 2.0, 4.0], 2) == 3.0  # the last n
-    assert train.step_seconds([50.0], 10) == 50.0  # unless it is all there is
+    assert runlog.step_seconds([50.0, 1.0, 2.0], 10) == 1.5
+    assert runlog.step_seconds([50.0, 1.0, 2.0, 4.0], 2) == 3.0  # the last n
+    assert runlog.step_seconds([50.0], 10) == 50.0  # unless it is all there is
 
 
 def test_non_finite_gradient_norm_stops_and_keeps_last_checkpoint(data_dir, tmp_path, monkeypatch):
     """A finite loss with a non-finite gradient (as a miscompiled backward gives) stops the run at that step."""
-    steps, optimizer_step = [], train.optimizer_step
+    steps, step_optimizers = [], train.step_optimizers
 
     def poisoned(net, optimizers, grad_clip):
         steps.append(1)
         if len(steps) == 4:
             net.wte.weight.grad[0, 0] = float("nan")
-        return optimizer_step(net, optimizers, grad_clip)
+        return step_optimizers(net, optimizers, grad_clip)
 
-    monkeypatch.setattr(train, "optimizer_step", poisoned)
+    monkeypatch.setattr(train, "step_optimizers", poisoned)
     out = str(tmp_path / "out")
     with pytest.raises(SystemExit, match=r"non-finite gradient norm \(nan\) at step 4; the last good checkpoint"):
         train.main(SMALL + [f"--data_dir={data_dir}", f"--out_dir={out}", "--max_steps=10", "--ckpt_interval=2"])
@@ -744,12 +775,12 @@ def test_gpu_without_bf16_or_triton_falls_back_in_one_line(monkeypatch, capsys):
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: False)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Tesla T4")
     monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
-    monkeypatch.setattr(train, "triton_available", lambda: False)
+    monkeypatch.setattr(parallel, "triton_available", lambda: False)
     assert Runtime.pick("cuda") == Runtime("cuda", torch.float32)
     assert Runtime.pick("cuda", quiet=True) == Runtime("cuda", torch.float32)
     assert Runtime.pick("cuda", "bfloat16").dtype == torch.bfloat16  # asked for: as asked
-    env = train.Env.setup(TrainConfig())
-    assert (env.device, env.runtime.dtype, env.compile) == ("cuda:0", torch.float32, False)
+    worker = parallel.join(TrainConfig())
+    assert (worker.device, worker.runtime.dtype, worker.compile) == ("cuda:0", torch.float32, False)
     assert capsys.readouterr().err.splitlines() == [
         "note: Tesla T4 has no bfloat16 (older than sm80): float32"] * 2 + [
         "note: no Triton for Tesla T4 (not installed, or a GPU older than sm70): compile=False, and document masks "

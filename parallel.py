@@ -1,0 +1,216 @@
+"""
+The processes of a run: joining the process group under torchrun, each worker's device, spreading the model over
+the workers (DDP), and stopping together: on a signal, with exit status 75; on a failed collective, in one line.
+
+    with parallel.join(cfg) as worker:                  # one process, or one of torchrun's
+        model = parallel.data_parallel(model, worker)   # DDP when there are several
+        ...
+    # the process group has ended here, after the DDP wrappers that nothing holds were freed
+
+Everything here also runs on a CPU with gloo, where the tests exercise it; on CUDA the same calls use NCCL.
+"""
+import contextlib
+import gc
+import inspect
+import os
+import re
+import signal
+import sys
+from dataclasses import dataclass, replace
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from checkpoint import Runtime
+from model import triton_available
+
+
+def attempt_store(world_size, timeout):
+    """The process group's rendezvous keys, under a prefix of this torchrun attempt; None outside torchrun (then
+    init_process_group's env:// as usual). torchrun keeps one store for all the restarts of --max-restarts, and a
+    restarted worker could read the dead attempt's addresses and hang, or fail, connecting to them (gloo's
+    "connectFullMesh failed ... Connection refused", seen here after a kill -9)."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size, is_master=False,
+                          timeout=timeout)
+    return dist.PrefixStore(f"train.py/attempt_{os.environ['TORCHELASTIC_RESTART_COUNT']}", store)
+
+
+@dataclass
+class Worker:
+    """This process: its rank among world_size, its device and precision (runtime), whether it compiles, and
+    whether it is in a process group (under torchrun, with one process too: nanoGPT's rule, and one GPU runs
+    NCCL and DDP as eight do). As a context manager it ends the group on a normal exit, after every rank's work
+    has finished and after a garbage collection has freed the DDP wrappers that nothing holds any more (a group
+    destroyed from a reducer's deallocation at interpreter exit can deadlock); on an error the group is left
+    to die with the process."""
+    rank: int
+    world_size: int
+    runtime: Runtime
+    compile: bool
+    distributed: bool = False
+
+    @property
+    def device(self):
+        return self.runtime.device
+
+    @property
+    def master(self):
+        return self.rank == 0
+
+    def say(self, *args):
+        """A line on rank 0's stdout."""
+        if self.master:
+            print(*args, flush=True)
+
+    def any(self, flag):
+        """Whether flag is true on any rank: the same answer on every rank (a collective: all ranks must ask)."""
+        if not self.distributed:
+            return bool(flag)
+        t = torch.tensor(float(bool(flag)), device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return t.item() > 0
+
+    def sum(self, t):
+        """t summed over the ranks (in place; a no-op in one process)."""
+        if self.distributed:
+            dist.all_reduce(t)
+        return t
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, *exc):
+        if self.distributed and exc_type is None:
+            gc.collect()
+            dist.barrier()
+            dist.destroy_process_group()
+
+
+def pick_runtime(cfg, rank):
+    """The device (cuda:<LOCAL_RANK> under torchrun), the autocast dtype and whether to compile, from cfg's
+    device, dtype and compile keys; a GPU that cannot compile (no Triton) falls back with one line."""
+    if cfg.dtype not in (None, "float32", "bfloat16"):  # float16 would need a gradient scaler
+        raise ValueError(f"dtype={cfg.dtype!r}: expected 'float32' or 'bfloat16'")
+    runtime = Runtime.pick(cfg.device, cfg.dtype, quiet=rank > 0)
+    if runtime.device == "cuda":
+        runtime = replace(runtime, device=f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}")
+    cuda = runtime.device.startswith("cuda")
+    if cuda:
+        torch.cuda.set_device(runtime.device)
+    use_compile = cuda if cfg.compile is None else cfg.compile
+    if not isinstance(use_compile, bool):
+        raise ValueError(f"compile={cfg.compile!r}: expected True, False or None (auto)")
+    if use_compile and cuda and not triton_available():  # inductor's GPU kernels
+        if rank == 0:
+            print(f"note: no Triton for {torch.cuda.get_device_name()} (not installed, or a GPU older than sm70): "
+                  f"compile=False, and document masks are dense SDPA masks", file=sys.stderr, flush=True)
+        use_compile = False
+    return runtime, use_compile
+
+
+def join(cfg):
+    """This process as a Worker, in torchrun's process group if there is one (cfg: its device, dtype, compile and
+    dist_timeout keys; a wrong value is a ValueError before any group is joined)."""
+    rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    runtime, use_compile = pick_runtime(cfg, rank)
+    worker = Worker(rank, world_size, runtime, use_compile, distributed="RANK" in os.environ)  # torchrun's
+    if worker.distributed:
+        cuda, timeout = worker.device.startswith("cuda"), timedelta(seconds=cfg.dist_timeout)
+        store = attempt_store(world_size, timeout)
+        dist.init_process_group("nccl" if cuda else "gloo", timeout=timeout,
+                                device_id=torch.device(worker.device) if cuda else None,
+                                **({} if store is None else dict(store=store, rank=rank, world_size=world_size)))
+    return worker
+
+
+# DDP's gradient buckets. Compiled, DDP also splits the graph at bucket boundaries (dynamo's DDPOptimizer), so that
+# each bucket's all-reduce overlaps the rest of backward: 25 MiB (the default) cuts the 450M models (1.7 GB of fp32
+# gradients) into ~41 graphs and the 1B ones into ~67; 100 MiB gives 14 and 28 (about 2 layers each, counted
+# with dist._compute_bucket_assignment_by_size), which keeps most fusion and still overlaps. Ours, not measured.
+DDP_BUCKET_MB = 100
+
+
+def data_parallel(model, worker, bucket_mb=DDP_BUCKET_MB):
+    """model in DDP when the worker is in a process group, else model itself. Gradients are views of the buckets
+    (no second copy: 1.7 GB at 450M), and buffers are not broadcast before each forward: the only ones, RoPE's
+    tables, are computed from the config on every rank."""
+    if not worker.distributed:
+        return model
+    cuda = worker.device.startswith("cuda")
+    # torch 2.13 names it forward_sync_buffers and deprecates broadcast_buffers; older ones know only the latter
+    new_name = "forward_sync_buffers" in inspect.signature(DDP).parameters
+    return DDP(model, device_ids=[torch.device(worker.device).index] if cuda else None, bucket_cap_mb=bucket_mb,
+               gradient_as_bucket_view=True, **{"forward_sync_buffers" if new_name else "broadcast_buffers": False})
+
+
+def gradient_sync(model, last):
+    """The context of one micro-step's backward: gradients are all-reduced on the last micro-step only (DDP's
+    no_sync before it), so accumulation costs one all-reduce per optimiser step."""
+    return model.no_sync() if isinstance(model, DDP) and not last else contextlib.nullcontext()
+
+
+# ----------------------------------------------------------------------------- stopping together
+
+PREEMPTED = 75  # exit status of a run stopped by a signal after its checkpoint (sysexits' EX_TEMPFAIL: try again)
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)  # schedulers' preemption, Ctrl-C, SLURM's --signal
+
+
+def tell(message):
+    """One line to stderr in one write: print() writes the text and its newline separately, and the lines of
+    ranks sharing one stderr (torchrun) then run into each other."""
+    sys.stderr.write(message + "\n")
+    sys.stderr.flush()
+
+
+class StopSignals:
+    """While active, SIGTERM, SIGINT and SIGUSR1 ask the run to stop at the next step boundary instead of killing
+    it; the previous handlers come back on exit. A signal during the checkpoint write only says it is noted."""
+
+    def __init__(self):
+        self.received = None
+
+    def __enter__(self):
+        self.previous = {s: signal.signal(s, self._handle) for s in STOP_SIGNALS}
+        return self
+
+    def __exit__(self, *exc):
+        for s, handler in self.previous.items():
+            signal.signal(s, handler)
+
+    def _handle(self, signum, frame):
+        first, self.received = self.received is None, self.received or signal.Signals(signum).name
+        tell(f"train.py: {signal.Signals(signum).name}: " + ("stopping after this step, with a checkpoint" if first
+             else f"already stopping ({self.received})"))
+
+    def agreed(self, worker):
+        """Whether any rank received a signal: the same answer on every rank, so all stop after the same step."""
+        return worker.any(self.received is not None)
+
+
+COLLECTIVE_ERRORS = ("gloo", "NCCL", "Timed out", "Connection closed", "Connection reset")  # their messages
+
+
+def collective_failure(e, world_size):
+    """The first line of e, without gloo's source location, when it is a failed collective; else None."""
+    text = str(e).strip()
+    if world_size == 1 or not (isinstance(e, dist.DistError) or any(w in text for w in COLLECTIVE_ERRORS)):
+        return None
+    return re.sub(r"^\[[^]]*\]\s*", "", text.splitlines()[0]) if text else type(e).__name__
+
+
+@contextlib.contextmanager
+def collectives_fail_in_one_line(worker, timeout, resume_hint):
+    """A collective that fails inside (a peer died or hangs: gloo and NCCL raise RuntimeError or its subclass
+    DistError) ends this process with one line saying so and how to resume; any other error passes through."""
+    try:
+        yield
+    except RuntimeError as e:
+        why = collective_failure(e, worker.world_size)
+        if why is None:
+            raise
+        sys.exit(f"train.py: error: rank {worker.rank}: a collective failed ({why}): another process died or "
+                 f"stopped answering (dist_timeout={timeout} s); {resume_hint}")

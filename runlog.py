@@ -1,0 +1,133 @@
+"""
+A training run's log: what train.py says as it trains, as lines on rank 0's stdout and as the same entries in
+<out_dir>/log.jsonl (and W&B), and the one reader of that file (sweep.py's report, analyze.py's loss curves).
+
+log.jsonl holds one JSON object per line, in step order:
+    {"step", "config"}                   at every (re)start: train.py's whole configuration, flat
+    {"step": 0, "val_loss"}              the validation loss the run starts from
+    {"step", "train_loss", "muon_lr", "adam_lr", "grad_norm", "step_ms", "tok_per_s"}   every log_interval steps,
+                                         with "val_loss" at evaluations, "epoch" when the data wraps around,
+                                         "mfu" on a GPU
+A resumed run first drops what came after its checkpoint's step, so the log reads as if it had never stopped.
+"""
+import json
+import os
+
+import torch.distributed as dist
+
+from checkpoint import disk_plan
+from data import atomic_write, read_jsonl
+from model import flops_per_token
+from optim import describe_optimizers
+
+
+def log_path(out_dir):
+    return os.path.join(out_dir, "log.jsonl")
+
+
+def read_log(out_dir):
+    """The entries of a run's log.jsonl (a last line cut by a crash is skipped); a one-line error without one."""
+    path = log_path(out_dir)
+    if not os.path.isfile(path):
+        raise ValueError(f"{out_dir}: no log.jsonl (not a train.py run directory)")
+    return list(read_jsonl(path))
+
+
+def val_curve(entries, up_to=None):
+    """[(step, val_loss)] of every evaluation among a log's entries (step 0 included), up to step up_to."""
+    return [(e["step"], e["val_loss"]) for e in entries if isinstance(e, dict)
+            and isinstance(e.get("val_loss"), (int, float)) and (up_to is None or e.get("step", 0) <= up_to)]
+
+
+class Log:
+    """What the run says: lines on rank 0's stdout, the same as JSON lines in <out_dir>/log.jsonl, and W&B."""
+
+    def __init__(self, run):
+        self.run, self.say, self.times, self.file, self.wandb = run, run.worker.say, [], None, None
+        self.flops_per_step = flops_per_token(run.model, run.model.config.block_size) * run.cfg.total_batch_size
+        if not run.worker.master:
+            return
+        cfg, path = run.cfg, log_path(run.cfg.out_dir)
+        os.makedirs(cfg.out_dir, exist_ok=True)
+        # a resumed run's log reads as if it had never stopped: drop what came after the checkpoint
+        kept = [e for e in read_jsonl(path) if e["step"] <= run.step] if run.step > 0 and os.path.exists(path) else []
+        with atomic_write(path, "w") as f:
+            f.writelines(json.dumps(e) + "\n" for e in kept)
+            f.write(json.dumps({"step": run.step, "config": run.flat_config()}) + "\n")  # every (re)start's config
+        self.file = open(path, "a")
+        if cfg.wandb_log:
+            try:
+                import wandb
+            except ImportError:
+                raise SystemExit("train.py: error: wandb_log=True but wandb is not installed (pip install wandb)")
+            self.wandb = wandb
+            wandb.init(project=cfg.wandb_project, name=cfg.wandb_run_name, config=run.flat_config())
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        if self.file is not None:
+            self.file.close()
+
+    def record(self, entry):
+        if self.file is not None:
+            self.file.write(json.dumps(entry) + "\n")
+            self.file.flush()
+            if self.wandb is not None:
+                self.wandb.log(entry, step=entry["step"])
+
+    def step(self, entry):
+        """Print and record a step's entry, with the mean step time of the last log_interval steps."""
+        cfg, run, device = self.run.cfg, self.run, self.run.worker.device
+        dt = step_seconds(self.times, cfg.log_interval)
+        entry.update(step_ms=1000 * dt, tok_per_s=cfg.total_batch_size / dt)
+        mfu = ""
+        if device.startswith("cuda"):
+            entry["mfu"] = self.flops_per_step / dt / run.worker.world_size / cfg.gpu_peak_flops
+            mfu = f" | mfu {100 * entry['mfu']:.1f}%"
+        val = f" | val {entry['val_loss']:.4f}" if "val_loss" in entry else ""
+        self.say(f"step {run.step}/{cfg.max_steps} | loss {entry['train_loss']:.4f}{val} | lr {entry['muon_lr']:.2e} "
+                 f"(adam {entry['adam_lr']:.2e}) | grad norm {entry['grad_norm']:.3f} | {1000 * dt:.0f} ms | "
+                 f"{entry['tok_per_s']:,.0f} tok/s{mfu} | eta {dt * (cfg.max_steps - run.step) / 60:.1f} min")
+        self.record(entry)
+
+    def evaluation(self, entry, val_loss):
+        """The validation loss the run starts from (step 0), or the one a stop at an evaluation step left to do."""
+        entry = {**entry, "val_loss": val_loss}
+        self.say(f"step {entry['step']}: val loss {val_loss:.4f}" +
+                 (" (the evaluation left by the stop)" if entry["step"] else ""))
+        self.record(entry)
+
+    def start(self, defaults):
+        """The start-up lines: the configuration (where it differs from defaults), the optimisers, the layout, the
+        data and the disk the checkpoints will take."""
+        run, cfg, worker = self.run, self.run.cfg, self.run.worker
+        changed = {k: v for k, v in run.flat_config().items() if v != defaults[k]}
+        self.say("config, where it differs from the defaults (log.jsonl has all of it): " +
+                 (", ".join(f"{k}={v!r}" for k, v in changed.items()) or "none"))
+        self.say(describe_optimizers(run.optimizers, run.model))
+        if run.step:
+            self.say(f"resuming from {run.ckpt_path} at step {run.step}")
+        self.say(f"{run.model.num_params():,} parameters, {worker.world_size} process(es) x {run.accum} micro-step(s) "
+                 f"x {cfg.batch_size} x {run.model.config.block_size} tokens, {worker.device}, compile={worker.compile}"
+                 + (f", {dist.get_backend()} process group" if worker.distributed else ""))
+        if worker.device.startswith("cuda"):
+            self.say(f"mfu: {self.flops_per_step / cfg.total_batch_size:.3g} FLOPs per token (6 per matmul weight, "
+                     f"causal attention: half of 12·L·C·T; model.flops_per_token) against gpu_peak_flops="
+                     f"{cfg.gpu_peak_flops:.3g}; step times leave out each start's first step (compilation)")
+        # the loader wraps around at the end of the data: say up front how often the run will see it
+        planned, available = cfg.max_steps * cfg.total_batch_size, run.loader.tokens_per_epoch
+        self.say(f"data: {cfg.max_steps:,} steps x {cfg.total_batch_size:,} tokens = {planned:,} tokens planned; "
+                 f"{cfg.data_dir} has {available:,} usable train tokens: {planned / available:.2f} epochs"
+                 + (" (the data repeats)" if planned > available else ""))
+        if worker.master:
+            kept = (cfg.max_steps // cfg.keep_every - run.step // cfg.keep_every) if cfg.keep_every else 0
+            self.say(disk_plan(cfg.out_dir, run.model, run.optimizers, cfg.ckpt_interval, kept, cfg.keep_every))
+
+
+def step_seconds(times, n):
+    """Mean time of the last n steps of times (this process's, in order). The first is left out, unless it is all
+    there is: it holds torch.compile's compilation (and the allocator's warm-up), which is not a step's cost."""
+    window = (times[1:] or times)[-n:]
+    return sum(window) / len(window)
