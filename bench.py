@@ -12,11 +12,20 @@ reference of the ratio columns. --memory=True measures activation memory instead
 
     python bench.py configs/gated.py configs/dyn_exo.py --memory=True --dtype=bfloat16
 
+--ranks=8,64 adds what each GPU holds when FSDP shards the model over that many (an estimate from the shapes).
+Under torchrun the rows train in DDP, or FSDP with --fsdp=True (--compare=fsdp gives both), and a table per rank
+follows, measured: the bytes of this rank's parameters, gradients and optimiser states (FSDP's: its shards) and
+what a step's collectives move, by kind:
+
+    torchrun --nproc_per_node=2 bench.py configs/dyn_exo.py --n_layer=4 --n_embd=128 --n_head=4 --compare=fsdp
+
 --gpu=True is the check for a CUDA GPU: Gated Attention against Dynamic E-ExoFormer at the paper's 450M shapes,
 with compile and doc_mask each off and on, beside the paper's overhead and the FLOP ratio:
 
     python bench.py --gpu=True
 """
+import collections
+import math
 import os
 import statistics
 import sys
@@ -24,11 +33,14 @@ import time
 from dataclasses import dataclass, field, replace
 
 import torch
+from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 import parallel
 from configurator import help_text, key_comments, load_config, wants_help
 from model import EOT, GPT, GPTConfig, flops_per_token
-from optim import configure_optimizers, muon_params, step_optimizers
+from optim import configure_optimizers, moment_shape, muon_params, step_optimizers
 from train import ALL_DEFAULTS, help_sections, split_config
 
 BENCH_DEFAULTS = dict(
@@ -39,6 +51,7 @@ BENCH_DEFAULTS = dict(
     compare="",  # a True/False key (doc_mask, activation_checkpointing): every model with it off, then on
     doc_len=1000,  # mean document length of the synthetic tokens (an <|endoftext|> opens each document)
     memory=False,  # True: instead of timing, measure the activation memory of one block_size sequence
+    ranks=(),  # with memory: also the bytes per GPU, and the micro-batch that fits, with FSDP over these many GPUs
     gpu=False,  # True: configs/gated.py against configs/dyn_exo.py, compile and doc_mask off and on (CUDA only)
 )
 GPU_MODELS = ["configs/gated.py", "configs/dyn_exo.py"]  # the paper's pair at 450M: Gated Attention, Dynamic E-ExoFormer
@@ -51,6 +64,18 @@ PAPER_OVERHEAD = "8-15%"
 STATE_BYTES = {"muon": 4 + 4 + 4, "adam": 4 + 4 + 8}
 LOGIT_BYTES = 2 + 4 + 4  # a loss chunk's transient logits: bf16, fp32, and their gradient
 HEADROOM = 0.9  # of a GPU's memory usable for all this: the rest for CUDA context, workspaces, fragmentation
+# FSDP's transient bytes per parameter: the unit being run and the one prefetched, gathered in bf16 with their
+# unsharded gradients (bf16, then fp32 for the reduce-scatter); the root unit (lm_head, ln_f) is gathered for
+# the whole step. Ours, from fully_shard's defaults, not measured (test_cuda.py measures a GPU's peak).
+GATHERED_BYTES = 2 + 2 + 4
+# Muon under FSDP: each owner holds its whole matrices, the gathered update in fp32, and its result (fp32) with
+# Polar Express's bf16 iterates (X, A, A @ A), per parameter it owns (optim.Exchange)
+OWNED_BYTES = 4 + 4 + 3 * 2
+# the c10d ops that torch.distributed's collectives dispatch, by kind, and the argument whose bytes are counted:
+# a whole buffer (all-reduce, broadcast: the tensor; all-gather: its output; reduce-scatter, all-to-all: the input)
+COLLECTIVES = {"allreduce_": ("all_reduce", 0), "broadcast_": ("broadcast", 0), "allgather_": ("all_gather", 0),
+               "_allgather_base_": ("all_gather", 0), "_reduce_scatter_base_": ("reduce_scatter", 1),
+               "alltoall_base_": ("all_to_all", 1)}
 
 
 def peak_memory_reset(device):
@@ -91,9 +116,11 @@ def main(argv):
                 row = {**flat, key: on} if key else flat
                 runs.append(Row(name + f"+{key}" * bool(on), *split_config(row),
                                 {k: row[k] for k in BENCH_DEFAULTS}))  # checks every model before any work
-        env = parallel.join(runs[0].cfg)
+        env = parallel.join(next((r.cfg for r in runs if r.cfg.fsdp), runs[0].cfg))  # FSDP needs torchrun
     except (ValueError, FileNotFoundError) as e:
         sys.exit(f"bench.py: error: {e}")
+    if env.rank:  # under torchrun every rank runs the same rows; rank 0 prints them
+        sys.stdout = open(os.devnull, "w")
     if runs[0].bench["memory"]:
         return memory_table(runs, env)
     return timing_table(runs, env)
@@ -148,11 +175,7 @@ def timing_table(runs, env):
     x, y = synthetic_batch(B, T, first.config.vocab_size, first.bench["doc_len"], env.device)
     for row in runs:  # built one after another: peak memory is per model
         base = peak_memory_reset(env.device)
-        torch.manual_seed(row.cfg.seed)
-        row.model = GPT(row.config).to(env.device)
-        row.model.activation_checkpointing = row.cfg.activation_checkpointing
-        row.optimizers = configure_optimizers(row.model, row.cfg) if row.bench["optimizer"] else None
-        row.forward = torch.compile(row.model) if env.compile else row.model
+        build(row, env)
         for _ in range(row.bench["warmup"]):
             step(row, x, y, env)
         row.memory = peak_memory(env.device, base)
@@ -173,7 +196,64 @@ def timing_table(runs, env):
             if env.device.startswith("cuda") else "-"
         print(f"{row.name:<36}{row.model.num_params():>14,}{ms:>10.1f}{B * T / ms * 1000:>12,.0f}{mfu:>7}"
               f"{mem:>11}{ms / ref_ms:>12.4f}{flops_per_token(row.model, T) / ref_flops:>12.4f}")
+    if env.distributed:
+        rank_table(runs, x, y, env)
     return runs
+
+
+def build(row, env):
+    """The row's model (seeded) and optimisers, as train.py builds them: under torchrun in DDP, or sharded by FSDP
+    (the row's fsdp key)."""
+    torch.manual_seed(row.cfg.seed)
+    model = GPT(row.config)
+    model.activation_checkpointing = row.cfg.activation_checkpointing
+    if row.cfg.fsdp:
+        row.model = row.forward = parallel.fully_shard_model(model, env)
+    else:
+        row.model = model.to(env.device)
+        row.forward = parallel.data_parallel(torch.compile(row.model) if env.compile else row.model, env)
+    row.optimizers = configure_optimizers(row.model, row.cfg, env.rank, env.world_size) \
+        if row.bench["optimizer"] else None
+
+
+class CollectiveBytes(TorchDispatchMode):
+    """The bytes that torch.distributed's collectives (DDP's, FSDP's, Muon's) pass to the c10d ops inside it, by
+    kind (COLLECTIVES). DTensor's own collectives (the clip's one-number all-reduce under FSDP) run below it."""
+
+    def __init__(self):
+        super().__init__()
+        self.bytes = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kind, arg = COLLECTIVES.get(func.__name__.split(".")[0], (None, 0)) if func.namespace == "c10d" else (None, 0)
+        if kind:
+            self.bytes[kind] += sum(t.nbytes for t in tree_leaves(args[arg]) if isinstance(t, torch.Tensor))
+        return func(*args, **(kwargs or {}))
+
+
+def local_bytes(tensors):
+    """The bytes this rank holds of tensors: a DTensor's own shard."""
+    return sum((t.to_local() if isinstance(t, DTensor) else t).nbytes for t in tensors if torch.is_tensor(t))
+
+
+def rank_table(runs, x, y, env):
+    """Under torchrun, per row: this rank's bytes of parameters, gradients, Muon's and AdamW's states (FSDP: its
+    shards), and the bytes of one step's collectives, by kind (CollectiveBytes), with the step time against the
+    first row's."""
+    kinds = ["all_reduce", "all_gather", "reduce_scatter", "all_to_all"]
+    print(f"\nrank 0 of {env.world_size}, one step: MiB held, MB passed to collectives\n{'config':<28}{'ms/step':>9}"
+          f"{'ratio':>7}{'params':>9}{'grads':>9}{'Muon':>9}{'AdamW':>9}" + "".join(f"{k:>15}" for k in kinds))
+    for row in runs:
+        with CollectiveBytes() as counted:
+            with env.runtime.autocast():
+                row.forward(x, y, z_loss=row.cfg.z_loss, doc_mask=row.cfg.doc_mask)[1].backward()
+            held = [local_bytes(row.model.parameters()), local_bytes(p.grad for p in row.model.parameters())]
+            if row.optimizers:
+                step_optimizers(row.model, row.optimizers, row.cfg.grad_clip)
+        held += [local_bytes(v for s in opt.state.values() for v in s.values()) for opt in row.optimizers or []]
+        ms = statistics.median(row.times) * 1000
+        print(f"{row.name:<28}{ms:>9.1f}{statistics.median(row.times) / statistics.median(runs[0].times):>7.3f}"
+              + "".join(f"{b / 2**20:>9.3f}" for b in held) + "".join(f"{counted.bytes[k] / 1e6:>15.3f}" for k in kinds))
 
 
 def synthetic_batch(B, T, vocab_size, doc_len, device):
@@ -249,7 +329,41 @@ def memory_table(runs, env):
         row.fits = [max(0, int((gb * 1e9 * HEADROOM - row.state) // row.total)) for gb in (40, 80, 141)]
         print(f"{row.name:<36}{full.num_params():>14,}{row.per_layer / 2**20:>8.1f} MiB{row.fixed / 2**20:>6.0f} MiB"
               f"{row.total / 2**30:>9.2f}{row.fits[0]:>10}{row.fits[1]:>10}{row.fits[2]:>11}")
+    if first.bench["ranks"]:
+        sharded_table(runs)
     return runs
+
+
+def sharded_bytes(model, n):
+    """Bytes per GPU of a model (on the meta device) sharded by FSDP over n GPUs, from its shapes: (weights,
+    gradients, Muon's state, AdamW's state, transient): fp32 shards of ceil(rows / n) rows, and what a step
+    gathers (GATHERED_BYTES of the largest unit twice and of the root unit, OWNED_BYTES of Muon's share)."""
+    shard = lambda shape: -(-shape[0] // n) * math.prod(shape[1:])
+    muon = {id(p) for p in muon_params(model)}
+    weights = 4 * sum(shard(p.shape) for p in model.parameters())
+    moments = sum(shard(p.shape) + shard(moment_shape(*p.shape)) for p in model.parameters() if id(p) in muon)
+    adam = 8 * sum(shard(p.shape) for p in model.parameters() if id(p) not in muon)
+    units = [sum(p.numel() for p in m.parameters()) for m in [*model.blocks, model.wte, model.anchor_proj] if m]
+    gathered = GATHERED_BYTES * (2 * max(units) + model.num_params() - sum(units))
+    owned = OWNED_BYTES * sum(p.numel() for p in muon_params(model)) / n
+    logits = model.loss_chunk * model.config.vocab_size * LOGIT_BYTES
+    return weights, weights, 4 * moments, adam, gathered + owned + logits
+
+
+def sharded_table(runs):
+    """--ranks: per model and number of GPUs, the bytes per GPU under FSDP and the micro-batch that fits 40, 80 and
+    141 GB beside them (the activation table's GiB/seq per sequence)."""
+    print(f"\nFSDP over N GPUs, per GPU (GiB): weights, gradients, optimiser states (shards), transient (estimate)"
+          f"\n{'config':<36}{'N':>5}{'weights':>9}{'grads':>7}{'Muon':>7}{'AdamW':>7}{'transient':>10}"
+          f"{'B @ 40GB':>10}{'B @ 80GB':>10}{'B @ 141GB':>11}")
+    for row in runs:
+        with torch.device("meta"):
+            full = GPT(row.config)
+        for n in row.bench["ranks"]:
+            held = sharded_bytes(full, n)
+            fits = [max(0, int((gb * 1e9 * HEADROOM - sum(held)) // row.total)) for gb in (40, 80, 141)]
+            print(f"{row.name:<36}{n:>5}" + "".join(f"{b / 2**30:>{w}.2f}" for b, w in zip(held, (9, 7, 7, 7, 10)))
+                  + f"{fits[0]:>10}{fits[1]:>10}{fits[2]:>11}")
 
 
 def step(row, x, y, env):

@@ -7,6 +7,7 @@ Turn a checkpoint into a weights-only checkpoint of this code: `model` (fp32 sta
     python convert.py Jonnester/Baseline/ckpt_step:38146.pt --out ...           # REPO/FILENAME
     python convert.py path/to/ckpt_step:38146.pt --out ...                     # a local file
     python convert.py out/ckpt.pt --out out/export/ckpt.pt                     # ours: drop the optimiser state
+    python convert.py out/ckpt.dcp --out out/export/ckpt.pt                    # ours, sharded (train.py --fsdp=True)
 
 The authors' format (their train.py) holds `model` (their state dict: bf16 Linear/Embedding weights,
 keys maybe prefixed `_orig_mod.`) and `model_args` (their ModelConfig). Five versions of their model
@@ -30,7 +31,7 @@ import torch
 
 from configurator import load_config
 from httpclient import ByteBar, DownloadError, download_file, get_json
-from checkpoint import check_state, load_checkpoint, save_checkpoint
+from checkpoint import check_state, export_sharded, load_checkpoint, save_checkpoint
 from model import GRANULARITY_SHAPES, PROJECTIONS, GPTConfig
 
 HF_URL = "https://huggingface.co"
@@ -317,6 +318,12 @@ def fetch(src, cache_dir=CACHE_DIR, base_url=HF_URL):
 
 def convert(src, out, cache_dir=CACHE_DIR, base_url=HF_URL):
     """Write the weights-only checkpoint of SRC (see the module docstring) to out; return its summary."""
+    if os.path.isdir(src):  # train.py --fsdp=True's ckpt.dcp: streamed a tensor at a time, never whole in memory
+        state = export_sharded(src, out, f"weights-only export of {src} by convert.py")
+        config = GPTConfig.from_dict(state["model_config"])
+        print(f"{src}: sharded checkpoint of this code: {config.name}, {config.n_layer} layers, C={config.n_embd}, "
+              f"step {state['step']}; wrote {out}, {os.path.getsize(out) / 1e6:,.1f} MB")
+        return {"config": config, "step": state["step"], "bytes_out": os.path.getsize(out)}
     path, label = fetch(src, cache_dir, base_url)
     if os.path.abspath(out) == os.path.abspath(path):
         raise ValueError(f"--out {out}: that is the checkpoint being converted; write to another file")

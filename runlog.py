@@ -15,7 +15,7 @@ import os
 
 import torch.distributed as dist
 
-from checkpoint import disk_plan
+from checkpoint import disk_plan, is_own
 from data import atomic_write, read_jsonl
 from model import flops_per_token
 from optim import describe_optimizers
@@ -110,11 +110,12 @@ class Log:
                  (", ".join(f"{k}={v!r}" for k, v in changed.items()) or "none"))
         self.say(describe_optimizers(run.optimizers, run.model))
         if run.step:
-            branch = f" (a branch, into {cfg.out_dir})" if run.started_from != run.ckpt_path else ""
+            branch = "" if is_own(run.started_from, cfg.out_dir) else f" (a branch, into {cfg.out_dir})"
             self.say(f"resuming from {run.started_from} at step {run.step}{branch}")
         self.say(f"{run.model.num_params():,} parameters, {worker.world_size} process(es) x {run.accum} micro-step(s) "
                  f"x {cfg.batch_size} x {run.model.config.block_size} tokens, {worker.device}, compile={worker.compile}"
-                 + (f", {dist.get_backend()} process group" if worker.distributed else ""))
+                 + (f", {dist.get_backend()} process group, {'FSDP' if cfg.fsdp else 'DDP'}" if worker.distributed
+                    else ""))
         if worker.device.startswith("cuda"):
             self.say(f"mfu: {self.flops_per_step / cfg.total_batch_size:.3g} FLOPs per token (6 per matmul weight, "
                      f"causal attention: half of 12·L·C·T; model.flops_per_token) against gpu_peak_flops="
@@ -127,7 +128,8 @@ class Log:
         if worker.master:
             kept = (cfg.max_steps // cfg.keep_every - run.step // cfg.keep_every) if cfg.keep_every else 0
             full = sum(s > run.step for s in cfg.keep_full)
-            self.say(disk_plan(cfg.out_dir, run.model, run.optimizers, cfg.ckpt_interval, kept, cfg.keep_every, full))
+            self.say(disk_plan(cfg.out_dir, run.model, run.optimizers, cfg.ckpt_interval, kept, cfg.keep_every, full,
+                               run.ckpt_path))
 
 
 def step_seconds(times, n):

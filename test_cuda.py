@@ -1,13 +1,17 @@
 """Tests of the CUDA path, which the CPU tests cannot reach: FlexAttention's document mask and its backward, the
 compiled step with a new BlockMask every batch, bf16 autocast against fp32, NCCL under torchrun with a stop and a
-resume, the KV cache, and a step's peak memory against bench.py's estimate. They run only where torch sees a GPU;
+resume (DDP, and FSDP with bf16 gathers and compiled blocks), FSDP's mixed precision against fp32, the sharded Muon
+step over NCCL (2 GPUs), the KV cache, and a step's peak memory against bench.py's estimate. They run only where torch sees a GPU;
 elsewhere pytest reports them skipped, with the reason. Small sizes: a few minutes on one GPU."""
+import copy
 import math
 import signal
 import sys
 
 import pytest
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
 import bench
 import optim
@@ -16,7 +20,9 @@ import train
 from model import GPT, KVCache, document_mask, generate
 from test_model import FAMILIES, compiled_graphs, fresh_dynamo, layouts, randomize, tokens, variant  # noqa: F401
 from test_faults import finish, run, start, wait_for_step
-from test_train import DOCS, SMALL, assert_same_run, check_process_group_and_ddp, doc_data_dir  # noqa: F401
+from checkpoint import load_checkpoint
+from test_fsdp import _sharded_step_worker
+from test_train import DOCS, SMALL, assert_same_run, check_process_group_and_ddp, doc_data_dir, free_port  # noqa: F401
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
                                 reason="CUDA-only: torch.cuda.is_available() is False on this machine")
@@ -196,3 +202,60 @@ def test_bench_gpu_prints_both_models_in_four_settings(capsys):
     rows = [line.split() for line in out.splitlines() if line.startswith(("gated ", "dyn_exo "))]
     assert len(rows) == 8 and all(r[4].endswith("%") and r[6] == "GiB" for r in rows)
     assert out.count("Dynamic E-ExoFormer / Gated Attention step time: ") == 4
+
+
+# ----------------------------------------------------------------------------- FSDP: NCCL, bf16, compiled blocks
+
+def test_fsdp_nccl_bf16_compiled_stopped_and_resumed_equals_an_unbroken_run(doc_data_dir, tmp_path):
+    """One GPU under torchrun with --fsdp=True: NCCL, bf16 weights gathered for the forward and fp32 gradients
+    reduced (MixedPrecisionPolicy), blocks compiled one by one, FlexAttention; a SIGTERM stops it with a sharded
+    checkpoint (ckpt.dcp), the same command continues it, and it ends as the unbroken run within the tolerance of
+    the DDP test above."""
+    command = lambda out: [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
+                           "train.py", *SMALL, *DOCS, f"--data_dir={doc_data_dir}", "--max_steps=20",
+                           f"--out_dir={out}", "--init_from=auto", "--fsdp=True"]
+    code, stdout, stderr = run(command(tmp_path / "straight"))
+    assert code == 0 and "compile=True, nccl process group, FSDP" in stdout, stderr[-3000:]
+    stopped = start(command(tmp_path / "stopped"))
+    wait_for_step(str(tmp_path / "stopped"), 5, stopped)
+    stopped.send_signal(signal.SIGTERM)
+    _, _, stderr = finish(stopped)
+    assert "(exit status 75)" in stderr and (tmp_path / "stopped" / "ckpt.dcp").is_dir(), stderr[-3000:]
+    code, stdout, stderr = run(command(tmp_path / "stopped"))
+    assert code == 0 and "resuming from" in stdout, stderr[-3000:]
+    a, b = (load_checkpoint(str(tmp_path / d / "ckpt.dcp")) for d in ("straight", "stopped"))
+    assert a["step"] == b["step"] == 20
+    assert all(torch.allclose(a["model"][k], b["model"][k], rtol=1e-3, atol=1e-4) for k in a["model"])
+
+
+def test_fsdp_bf16_mixed_precision_against_fp32(monkeypatch):
+    """FSDP on one GPU (NCCL): the weights are gathered in bf16 for the forward, the shards and their gradients
+    stay fp32, and the loss and gradients are the fp32 model's to bf16's tolerance (as bf16 autocast's)."""
+    for key, value in dict(RANK=0, WORLD_SIZE=1, LOCAL_RANK=0, MASTER_ADDR="127.0.0.1", MASTER_PORT=free_port()).items():
+        monkeypatch.setenv(key, str(value))
+    worker = parallel.join(train.TrainConfig(fsdp=True))
+    try:
+        assert worker.runtime.dtype == torch.bfloat16 and dist.get_backend() == "nccl"
+        plain = randomize(GPT(variant("dyn_exo", vocab_size=50304, block_size=256))).to(DEVICE)
+        sharded = parallel.fully_shard_model(copy.deepcopy(plain).cpu(), worker)
+        seen = set()
+        sharded.blocks[0].attn.c_attn.register_forward_hook(lambda m, i, o: seen.add(m.weight.dtype))
+        x, y = next(windows(plain.config, 1))
+        ref_loss, ref_grads = loss_and_grads(plain, x, y, torch.float32)
+        loss, grads = loss_and_grads(sharded, x, y, torch.bfloat16)
+        grads = [g.full_tensor() for g in grads]  # FSDP's gradients: DTensors
+        assert seen == {torch.bfloat16} and {p.dtype for p in sharded.parameters()} == {torch.float32}
+        assert relative_error(loss, ref_loss) < BF16_REL
+        assert relative_error(torch.cat([g.flatten() for g in grads]), torch.cat([g.flatten() for g in ref_grads])) \
+            < BF16_REL
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs: the sharded Muon step over NCCL")
+def test_sharded_muon_over_nccl_equals_the_unsharded_step(tmp_path):
+    """test_fsdp's exactness test on 2 GPUs: the all-to-alls over NCCL (loss, gradients, two Muon steps)."""
+    names = ["dyn_exo", "nuresformer_e"]
+    mp.spawn(_sharded_step_worker, args=(2, free_port(), names, str(tmp_path / "r"), "cuda"), nprocs=2)
+    for name, (diffs, stepped, shapes) in torch.load(tmp_path / "r", weights_only=True).items():
+        assert stepped == shapes and (diffs["weights"], diffs["states"]) == (0, 0), (name, diffs)

@@ -36,8 +36,9 @@ import torch
 import torch.nn as nn
 
 import parallel
-from checkpoint import (checkpoint_path, exported_state, full_path, kept_path, load_resume, restore_training,
-                        resume_state, resumed_model_config, save_checkpoint, trained_doc_mask)
+from checkpoint import (checkpoint_path, drop_stale, full_path, is_own, kept_path, load_resume, restore_training,
+                        restore_weights, resume_state, resumed_model_config, save_checkpoint, save_sharded,
+                        save_weights, trained_doc_mask)
 from configurator import help_text, key_comments, read_args, wants_help
 from data import DataLoader, val_batches
 from model import GPT, GPTConfig
@@ -89,6 +90,7 @@ class TrainConfig:
     z_loss: float = 1e-5  # weight of mean(logsumexp(logits)²) in the loss
     activation_checkpointing: bool = False  # recompute each block in the backward pass: 8-12 MiB per layer, ~25% slower steps
     doc_mask: bool = True  # attention stays inside each document of a window (each <|endoftext|> opens one), as the authors trained
+    fsdp: bool = False  # under torchrun: weights, gradients, optimiser states sharded over the processes (FSDP2), not DDP
     # system
     device: str = None  # None: cuda if available, else cpu
     dtype: str = None  # None: bfloat16 autocast on cuda (fp32 master weights), float32 on cpu
@@ -205,7 +207,7 @@ class TrainingRun:
 
     @property
     def ckpt_path(self):
-        return checkpoint_path(self.cfg.out_dir)
+        return checkpoint_path(self.cfg.out_dir, self.cfg.fsdp)
 
     def flat_config(self):
         """The whole configuration as one flat dict: what log.jsonl and checkpoints record."""
@@ -222,20 +224,24 @@ def build(cfg, model_config, worker, accum):
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
     np.random.seed(cfg.seed)
-    model = GPT(model_config).to(worker.device)
+    model = GPT(model_config)
     model.activation_checkpointing = cfg.activation_checkpointing
-    eval_model = torch.compile(model) if worker.compile else model
+    if cfg.fsdp:  # sharded in place, each unit moved to the device as it is sharded, compiled per block
+        eval_model = train_model = model = parallel.fully_shard_model(model, worker)
+    else:
+        model = model.to(worker.device)
+        eval_model = torch.compile(model) if worker.compile else model
+        train_model = parallel.data_parallel(eval_model, worker)
     optimizers = configure_optimizers(model, cfg, rank, world)
-    return TrainingRun(cfg, worker, accum, model, eval_model, parallel.data_parallel(eval_model, worker),
-                       optimizers, loader)
+    return TrainingRun(cfg, worker, accum, model, eval_model, train_model, optimizers, loader)
 
 
 def restore(run, ckpt, path):
     """Continue from a checkpoint: the weights, and for training the optimisers, data position, RNG and step."""
-    run.model.load_state_dict(ckpt["model"])
+    restore_weights(ckpt, run.model)  # either kind of checkpoint into either kind of model (checkpoint.py)
     run.step, run.started_from = ckpt["step"], path
     if not run.cfg.eval_only:
-        run.pending_log = restore_training(ckpt, run.optimizers, run.loader)
+        run.pending_log = restore_training(ckpt, run.model, run.optimizers, run.loader)
 
 
 # ----------------------------------------------------------------------------- evaluate
@@ -312,7 +318,8 @@ def checkpoints_due(run, stopping):
     """The resume checkpoints of this step: the rolling one every ckpt_interval steps, at the end and at a stop; a
     branch point of keep_full."""
     rolling = due(run.step, run.cfg.ckpt_interval, run.cfg) or stopping
-    return [run.ckpt_path] * rolling + [full_path(run.cfg.out_dir, run.step)] * (run.step in run.cfg.keep_full)
+    full = full_path(run.cfg.out_dir, run.step, run.cfg.fsdp)
+    return [run.ckpt_path] * rolling + [full] * (run.step in run.cfg.keep_full)
 
 
 def due(step, interval, cfg):
@@ -334,12 +341,17 @@ def save(run, path, pending_log=None):
     """A resume checkpoint: rank 0 writes it, and every rank learns whether that worked (a full disk stops the
     run with one line, the previous checkpoint intact: data.atomic_write)."""
     error = None
-    if run.worker.master:
-        try:
+    try:
+        if run.cfg.fsdp:  # every rank writes its shards
+            save_sharded(path, run.model, run.flat_config(), run.step, run.optimizers, run.loader, pending_log,
+                         run.worker.master)
+        elif run.worker.master:
             save_checkpoint(path, resume_state(run.model, run.flat_config(), run.step, run.optimizers,
-                                                        run.loader, pending_log))
-        except OSError as e:
-            error = e
+                                               run.loader, pending_log))
+        if run.worker.master and path == run.ckpt_path:
+            drop_stale(run.cfg.out_dir, run.cfg.fsdp)  # the other kind's: older (a run that switched DDP <-> FSDP)
+    except OSError as e:
+        error = e
     if run.worker.any(error is not None):
         why = f"{error.strerror or error}" if error else "rank 0 could not write it"
         full = " (the disk is full)" if error and error.errno == errno.ENOSPC else ""
@@ -350,9 +362,8 @@ def save(run, path, pending_log=None):
 def keep_weights(run):
     """A weights-only checkpoint of this step beside the resume one: the history that analyze.py, eval.py and
     sample.py read as they are."""
-    if run.worker.master:
-        save_checkpoint(kept_path(run.cfg.out_dir, run.step), exported_state(
-            run.model, run.flat_config(), run.step, f"train.py, step {run.step} of {run.cfg.out_dir}"))
+    save_weights(kept_path(run.cfg.out_dir, run.step), run.model, run.flat_config(), run.step,
+                 f"train.py, step {run.step} of {run.cfg.out_dir}", run.worker.master)
 
 
 # ----------------------------------------------------------------------------- main
@@ -361,7 +372,7 @@ def configure(given, cfg, worker):
     """Everything about the input that can be wrong, checked before any work: the checkpoint to start from, the
     model (the checkpoint's, when there is one: the model keys given must agree with it), the batch layout.
     Returns (cfg, model_config, the checkpoint and its path or None, micro-steps per step)."""
-    ckpt, path = load_resume(cfg.out_dir, cfg.init_from, cfg.eval_only)
+    ckpt, path = load_resume(cfg.out_dir, cfg.init_from, cfg.eval_only, cfg.fsdp)  # either kind: DDP <-> FSDP
     if ckpt is None:
         model_config = GPTConfig(**{k: v for k, v in {**ALL_DEFAULTS, **given}.items() if k in MODEL_KEYS})
     else:
@@ -369,7 +380,7 @@ def configure(given, cfg, worker):
         if "doc_mask" not in given:  # resume, eval_only: as trained, unless overridden
             cfg = replace(cfg, doc_mask=trained_doc_mask(ckpt))
     accum = cfg.micro_steps(model_config, worker.world_size)
-    if path not in (None, checkpoint_path(cfg.out_dir)):  # a branch (Hagele et al., 2024): exact, or refused
+    if path is not None and not is_own(path, cfg.out_dir):  # a branch (Hagele et al., 2024): exact, or refused
         error = cfg.branch_error(ckpt["config"], ckpt["step"])
         if error:
             raise ValueError(f"{path}: cannot branch from it: {error}")
@@ -381,7 +392,7 @@ def run_training(given, cfg, worker, stop):
     try:
         cfg, model_config, ckpt, source, accum = configure(given, cfg, worker)
         if ckpt is not None and not cfg.eval_only and ckpt["step"] >= cfg.max_steps:
-            worker.say(f"{checkpoint_path(cfg.out_dir)}: this run is finished (step {ckpt['step']} of "
+            worker.say(f"{source}: this run is finished (step {ckpt['step']} of "
                        f"max_steps={cfg.max_steps}); nothing to do")
             return None, None
         run = build(cfg, model_config, worker, accum)

@@ -1,0 +1,464 @@
+"""Tests of sharded training: FSDP2 (parallel.fully_shard_model) against DDP, Muon on whole matrices under FSDP
+(optim.py), and sharded checkpoints (DCP, checkpoint.py): resharding on resume from 2 ranks to 1 and to 4, a
+kill -9 under --max-restarts, a full disk mid-write, a swap cut short, the weights-only export. gloo on the CPU,
+1 to 4 processes; what needs NCCL and bf16 on a GPU is in test_cuda.py. FSDP equals DDP here bit for bit: the same
+gradients (2 ranks: a sum of two, then a halving, in either) and the same Muon update (the owners run the unsharded
+code on whole matrices), until the gradient clip acts: torch's clip_grad_norm_ sums the norm from the shards, in
+another order, and the last bit of its coefficient then differs."""
+import copy
+import errno
+import os
+import pickle
+import shutil
+import sys
+import warnings
+import weakref
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+import checkpoint
+import convert
+import optim
+import parallel
+import train
+from checkpoint import Runtime, load_checkpoint, load_model, resume_path, sharded_state
+from model import GPT, GPTConfig
+from test_faults import ENV, TORCHRUN, finish, run, start, wait_for_step, workers
+from test_model import randomize, tokens, variant
+from test_train import ROOT, SMALL, data_dir, free_port, read_log  # noqa: F401  (data_dir: the toy shards fixture)
+from train import TrainConfig
+
+STEPS = 20
+# runs whose float rounding differs (another number of processes; FSDP's clip norm, summed from shards) drift apart
+# as Muon's bf16 orthogonalisation carries the difference on: over these 20 steps, measured, 3e-4 relative in a
+# loss and 8e-3 in a weight at most
+LOSS_RTOL, WEIGHT_ATOL = 1e-3, 2e-2
+# a stand-in for a kill right after the checkpoint of step N (argv[1]); with argv[2] == "resave", the run writes
+# the checkpoint it resumed from straight back, as this number of processes read it, and ends there
+STOP = """import os, sys
+sys.path.insert(0, {root!r})
+import train
+stop_at, resave, save, restore = int(sys.argv[1]), sys.argv[2] == "resave", train.save, train.restore
+def save_then_stop(run, path, pending_log=None):
+    save(run, path, pending_log)
+    if run.step == stop_at:
+        os._exit(0)
+def restore_then_save(run, ckpt, path):
+    restore(run, ckpt, path)
+    if resave:
+        save_then_stop(run, run.ckpt_path)
+train.save, train.restore = save_then_stop, restore_then_save
+train.main(sys.argv[3:])
+"""
+
+
+def args(data_dir, out, *extra):
+    return SMALL + [f"--data_dir={data_dir}", f"--out_dir={out}", f"--max_steps={STEPS}", "--ckpt_interval=5",
+                    "--init_from=auto", *extra]
+
+
+def torchrun(n):
+    return TORCHRUN[:-1] + [f"--nproc_per_node={n}"]
+
+
+def batch(n):
+    return ["--batch_size=1"] if n == 4 else []  # SMALL's 128 tokens a step: 4 ranks x 1 x 32
+
+
+def ok(result):
+    code, out, err = result
+    assert code == 0, err[-3000:]
+    return out
+
+
+@pytest.fixture(scope="module")
+def stop_script(tmp_path_factory):
+    path = tmp_path_factory.mktemp("scripts") / "stop.py"
+    path.write_text(STOP.format(root=ROOT))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def fsdp_run(data_dir, tmp_path_factory):
+    """The unbroken run at 2 ranks under FSDP that the others must end like."""
+    out = str(tmp_path_factory.mktemp("fsdp"))
+    assert "2 process(es) x 1 micro-step(s)" in ok(run(torchrun(2) + ["train.py", *args(data_dir, out, "--fsdp=True")]))
+    return out
+
+
+def named_states(ckpt):
+    """A checkpoint's optimiser states by parameter name: a sharded one's as they are, ckpt.pt's (by index) named."""
+    if "sharded" in ckpt:
+        return ckpt["optimizers"][0]["state"]
+    with torch.device("meta"):
+        net = GPT(GPTConfig(**ckpt["model_config"]))
+    optimizers = optim.configure_optimizers(net, TrainConfig())
+    return checkpoint.named_optimizer_state(net, optimizers, ckpt["optimizers"])["state"]
+
+
+def assert_same_state(a, b):
+    """Two checkpoints of any kind hold the same step, weights, optimiser states, data position and RNG, bit for bit."""
+    assert a["step"] == b["step"] and a["loader"] == b["loader"]
+    assert a["model"].keys() == b["model"].keys() and all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+    sa, sb = named_states(a), named_states(b)
+    assert sa.keys() == sb.keys()
+    for name in sa:
+        assert sa[name].keys() == sb[name].keys(), name
+        assert all(torch.equal(torch.as_tensor(sa[name][k]), torch.as_tensor(sb[name][k])) for k in sa[name]), name
+    assert torch.equal(torch.as_tensor(a["rng"]["torch"]), torch.as_tensor(b["rng"]["torch"]))
+
+
+def final(out):
+    """The resume checkpoint of a run directory, whichever kind, read whole."""
+    return load_checkpoint(resume_path(out), ("model", "model_config", "step", "optimizers", "loader", "rng"))
+
+
+def losses(out):
+    return [(e["step"], e.get("train_loss"), e.get("val_loss"), e.get("grad_norm")) for e in read_log(out)]
+
+
+def test_fsdp_at_2_ranks_equals_ddp_at_2_ranks(data_dir, fsdp_run, tmp_path):
+    """Tiny dyn_exo, fp32, 20 steps: every loss bit for bit until the gradient clip first acts (step 8 here), then
+    to float rounding (measured: 1e-4 relative in a loss, 3e-3 in a gradient norm, 5e-3 in a weight)."""
+    ddp = str(tmp_path / "ddp")
+    ok(run(torchrun(2) + ["train.py", *args(data_dir, ddp)]))
+    assert os.listdir(fsdp_run).count("ckpt.dcp") == 1 and "ckpt.pt" not in os.listdir(fsdp_run)
+    a, b = losses(ddp), losses(fsdp_run)
+    clipped = next(step for step, _, _, norm in a if norm and norm > 1)  # SMALL's grad_clip
+    assert 5 <= clipped < STEPS - 5 and [e[:3] for e in a[:clipped + 1]] == [e[:3] for e in b[:clipped + 1]]
+    for (_, *x), (_, *y) in zip(a, b):
+        assert x[:2] == pytest.approx(y[:2], rel=LOSS_RTOL, nan_ok=True), (x, y)
+        assert x[2] == pytest.approx(y[2], rel=10 * LOSS_RTOL, nan_ok=True), (x, y)  # the norm: 3e-3 measured
+    a, b = final(ddp), final(fsdp_run)
+    assert a["loader"] == b["loader"] and all(torch.allclose(a["model"][k], b["model"][k], atol=WEIGHT_ATOL)
+                                              for k in a["model"])
+
+
+@pytest.fixture(scope="module")
+def stopped(data_dir, stop_script, tmp_path_factory):
+    """The FSDP run at 2 ranks, killed right after its checkpoint of step 5."""
+    out = str(tmp_path_factory.mktemp("stopped"))
+    ok(run(torchrun(2) + [stop_script, "5", "-", *args(data_dir, out, "--fsdp=True")]))
+    assert sharded_state(f"{out}/ckpt.dcp")["step"] == 5
+    return out
+
+
+def test_a_checkpoint_of_2_ranks_reads_exactly_at_4_and_at_1_and_continues_bit_for_bit(
+        data_dir, stop_script, stopped, fsdp_run, tmp_path):
+    """DCP reshards exactly: what 4 ranks under FSDP and 1 process without it read of the 2-rank checkpoint, written
+    back (as ckpt.dcp at 4 ranks, as ckpt.pt in 1 process), is the same state; FSDP at 2 ranks continues the
+    1-process ckpt.pt bit for bit as the unbroken run."""
+    before = final(stopped)
+    four, one = str(tmp_path / "four"), str(tmp_path / "one")
+    for out in (four, one):
+        shutil.copytree(stopped, out)
+    ok(run(torchrun(4) + [stop_script, "5", "resave", *args(data_dir, four, "--fsdp=True", *batch(4))]))
+    ok(run([sys.executable, stop_script, "5", "resave", *args(data_dir, one)]))
+    assert sorted(os.listdir(one)) == ["ckpt.pt", "log.jsonl"]  # the older ckpt.dcp went
+    for out in (four, one):
+        assert_same_state(before, final(out))
+    ok(run(torchrun(2) + ["train.py", *args(data_dir, one, "--fsdp=True")]))
+    assert losses(one) == losses(fsdp_run)
+    assert_same_state(final(fsdp_run), final(one))
+
+
+
+
+def test_a_checkpoint_of_2_ranks_continues_at_4_and_at_1_as_the_unbroken_run(data_dir, stopped, fsdp_run, tmp_path):
+    """The same command with 4 ranks under FSDP, or 1 process without it, finishes the run stopped at 2 ranks:
+    the same batches and schedule, the losses of the unbroken run to float rounding."""
+    four, one = str(tmp_path / "four"), str(tmp_path / "one")
+    for out in (four, one):
+        shutil.copytree(stopped, out)
+    started = [start(torchrun(4) + ["train.py", *args(data_dir, four, "--fsdp=True", *batch(4))]),
+               start([sys.executable, "train.py", *args(data_dir, one)])]
+    assert "4 process(es) x 1 micro-step(s)" in ok(finish(started[0]))
+    assert "1 process(es) x 2 micro-step(s)" in ok(finish(started[1]))
+    unbroken = losses(fsdp_run)
+    for out in (four, one):
+        resumed = losses(out)
+        assert resumed[:6] == unbroken[:6] and [e[0] for e in resumed] == [e[0] for e in unbroken]
+        for (_, *a), (_, *b) in zip(resumed[6:], unbroken[6:]):
+            assert a[:2] == pytest.approx(b[:2], rel=LOSS_RTOL, nan_ok=True), (out, a, b)
+
+
+def test_a_killed_worker_under_max_restarts_resumes_from_the_last_sharded_checkpoint(data_dir, fsdp_run, tmp_path):
+    out = str(tmp_path / "run")
+    job = start(TORCHRUN[:3] + ["--max-restarts=1"] + TORCHRUN[3:] + ["train.py", *args(data_dir, out, "--fsdp=True")])
+    wait_for_step(out, 12, job)  # past the checkpoints of steps 5 and 10
+    os.kill(workers(job)[1], 9)
+    ok(finish(job))
+    restarts = [e["step"] for e in read_log(out, configs=True)]
+    assert restarts[0] == 0 and len(restarts) == 2 and restarts[1] in (10, 15), restarts
+    assert losses(out) == losses(fsdp_run)
+    assert_same_state(final(fsdp_run), final(out))
+
+
+@pytest.fixture
+def one_rank_group(monkeypatch):
+    """torchrun's environment for one process in this one: train.main joins a process group of its own (FSDP needs
+    one), which ends with it, or here after a failed run."""
+    for key, value in dict(RANK=0, WORLD_SIZE=1, LOCAL_RANK=0, MASTER_ADDR="127.0.0.1").items():
+        monkeypatch.setenv(key, str(value))
+    yield lambda: monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def test_a_full_disk_during_a_sharded_checkpoint_keeps_the_previous_one(data_dir, tmp_path, monkeypatch,
+                                                                        one_rank_group):
+    common = SMALL + [f"--data_dir={data_dir}", "--max_steps=6", "--ckpt_interval=2", "--init_from=auto", "--fsdp=True"]
+    straight, out = str(tmp_path / "straight"), str(tmp_path / "full")
+    one_rank_group()
+    train.main(common + [f"--out_dir={straight}"])
+    armed, write_item = [], torch.distributed.checkpoint.filesystem._write_item
+    save_sharded = train.save_sharded
+
+    def no_space(transforms, stream, *a, **kw):  # DCP's writer of one tensor into its file
+        if armed:
+            stream.write(b"\0" * 4096)  # part of it reached the disk
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return write_item(transforms, stream, *a, **kw)
+
+    with monkeypatch.context() as m:
+        m.setattr(torch.distributed.checkpoint.filesystem, "_write_item", no_space)
+        m.setattr(train, "save_sharded", lambda path, model, config, step, *a: (
+            armed.append(1) if step == 4 else None, save_sharded(path, model, config, step, *a)))
+        one_rank_group()
+        with pytest.raises(SystemExit) as e:
+            train.main(common + [f"--out_dir={out}"])
+    dist.destroy_process_group()  # a failed run leaves its group to die with the process
+    message = str(e.value)
+    assert message.startswith(f"train.py: error: step 4: {out}/ckpt.dcp: No space left on device (the disk is full)")
+    assert "the previous checkpoint, if any, is intact" in message and "\n" not in message
+    assert sharded_state(f"{out}/ckpt.dcp")["step"] == 2 and sorted(os.listdir(out)) == ["ckpt.dcp", "log.jsonl"]
+    one_rank_group()
+    train.main(common + [f"--out_dir={out}"])  # room again: the same command goes on from step 2
+    assert losses(out) == losses(straight)
+    assert_same_state(final(straight), final(out))
+    one_rank_group()
+    assert train.main(common + [f"--out_dir={out}"]) is None  # finished: says so, does nothing
+
+
+def test_keep_full_keeps_a_sharded_branch_point_that_branches_bit_for_bit(data_dir, tmp_path, one_rank_group):
+    """Under FSDP, keep_full keeps ckpt_<step>_full.dcp; --init_from=<it> with a shorter max_steps ends bit for bit
+    as a run of that length from scratch (train.TrainConfig.branch_error's conditions hold: step 4 of 12 and 8)."""
+    common = SMALL + [f"--data_dir={data_dir}", "--fsdp=True"]
+    one_rank_group()
+    train.main(common + [f"--out_dir={tmp_path / 'long'}", "--max_steps=12", "--keep_full=4"])
+    point = str(tmp_path / "long" / "ckpt_000004_full.dcp")
+    assert sharded_state(point)["step"] == 4 and os.path.isdir(tmp_path / "long" / "ckpt.dcp")
+    one_rank_group()
+    train.main(common + [f"--out_dir={tmp_path / 'short'}", "--max_steps=8"])
+    one_rank_group()
+    train.main(common + [f"--out_dir={tmp_path / 'branch'}", "--max_steps=8", f"--init_from={point}"])
+    assert losses(tmp_path / "branch") == losses(tmp_path / "short")
+    assert_same_state(final(tmp_path / "short"), final(tmp_path / "branch"))
+
+
+def tiny_sharded_checkpoint(path, step):
+    """A real DCP directory of one tensor and a state.json, as save_sharded writes them."""
+    with warnings.catch_warnings():  # DCP's note that it saves in this one process
+        warnings.simplefilter("ignore")
+        torch.distributed.checkpoint.save({"model": {"w": torch.zeros(2)}}, checkpoint_id=path, no_dist=True)
+    with open(os.path.join(path, checkpoint.SHARDED_STATE), "w") as f:
+        f.write(f'{{"step": {step}}}')
+
+
+def test_resume_path_finishes_a_cut_swap_and_takes_the_later_of_two_kinds(tmp_path):
+    out = str(tmp_path)
+    assert resume_path(out) == f"{out}/ckpt.pt" and resume_path(out, sharded=True) == f"{out}/ckpt.dcp"
+    tiny_sharded_checkpoint(f"{out}/ckpt.dcp.old", 7)  # stopped between save_sharded's two renames
+    assert resume_path(out) == f"{out}/ckpt.dcp" and sharded_state(f"{out}/ckpt.dcp")["step"] == 7
+    for full_step, later in ((3, "ckpt.dcp"), (9, "ckpt.pt")):  # stopped before the older kind was removed
+        torch.save({"step": full_step}, f"{out}/ckpt.pt")
+        assert resume_path(out) == f"{out}/{later}"
+
+
+class Boom:
+    def __reduce__(self):
+        return (os.system, ("touch PWNED",))
+
+
+def test_a_sharded_checkpoint_whose_metadata_would_run_code_is_refused(tmp_path):
+    tiny_sharded_checkpoint(str(tmp_path / "ckpt.dcp"), 1)
+    with open(tmp_path / "ckpt.dcp" / ".metadata", "wb") as f:
+        pickle.dump(Boom(), f)
+    os.chdir(tmp_path)
+    with pytest.raises(ValueError, match=r"ckpt.dcp: not a sharded checkpoint of train.py \(posix.system is not one "
+                                         r"of DCP's metadata classes\)"):
+        load_checkpoint(str(tmp_path / "ckpt.dcp"))
+    assert not (tmp_path / "PWNED").exists()
+    os.chdir(ROOT)
+
+
+# ----------------------------------------------------------------------------- in the processes themselves
+
+def _join(rank, world, port, dtype=torch.float32, device="cpu"):
+    """This spawned process in a group of world (gloo on the CPU, NCCL on its own GPU), as a Worker."""
+    if device == "cuda":
+        device = f"cuda:{rank}"
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device != "cpu" else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world)
+    return parallel.Worker(rank, world, Runtime(device, dtype), compile=False, distributed=True)
+
+
+def _sharded_step_worker(rank, world, port, names, result_path, device="cpu"):
+    """Per variant: a model and its FSDP copy, one batch (the same on every rank, so that the averaged gradient is
+    that batch's): the loss and gradients; then two Muon steps on injected gradients. Records the largest
+    differences and the shapes of the matrices stepped."""
+    worker, found = _join(rank, world, port, device=device), {}
+    for name in names:
+        torch.manual_seed(0)
+        plain = randomize(GPT(variant(name)))
+        sharded = parallel.fully_shard_model(copy.deepcopy(plain), worker)
+        plain, idx = plain.to(worker.device), tokens(plain.config).to(worker.device)
+        losses = [m(idx[:, :-1], idx[:, 1:])[1] for m in (plain, sharded)]
+        for loss in losses:
+            loss.backward()
+        named = dict(sharded.named_parameters())
+        diffs = {"loss": (losses[0] - losses[1]).abs().item(), "grads": max(
+            (p.grad - named[n].grad.full_tensor()).abs().max().item() for n, p in plain.named_parameters())}
+        muons = [optim.configure_optimizers(m, TrainConfig())[0] for m in (plain, sharded)]
+        gen = torch.Generator().manual_seed(1)
+        for _ in range(2):
+            for n, p in plain.named_parameters():
+                p.grad = torch.randn(p.shape, generator=gen).to(worker.device)
+                named[n].grad = distribute_tensor(p.grad, named[n].device_mesh, named[n].placements)
+            for muon in muons:
+                muon.step()
+        stepped = [(n, p) for n, p in plain.named_parameters() if p in muons[0].state]
+        diffs["weights"] = max((p - named[n].full_tensor()).abs().max().item() for n, p in stepped)
+        diffs["states"] = max((muons[0].state[p][k] - muons[1].state[named[n]][k].full_tensor()).abs().max().item()
+                              for n, p in stepped for k in ("momentum", "second_moment"))
+        found[name] = diffs, sorted({tuple(p.shape) for _, p in stepped}), sorted(
+            {tuple(p.shape) for p in optim.muon_params(plain)})
+    if rank == 0:
+        torch.save(found, result_path)
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_sharded_muon_and_fsdp_gradients_equal_the_unsharded_ones_bit_for_bit(world, tmp_path):
+    """Every shape group of dyn_exo and nuresformer_e (internal anchors: layer 1's QK-norm normalises them after
+    layer 1 has run), split evenly over 2 ranks and unevenly over 3: the loss, the gradients, and two Muon steps
+    (weights, momentum, NorMuon's second moment) on the same injected gradients, equal to the unsharded ones. Bit
+    for bit (the gradients at 3 ranks to fp32 rounding): the owner of each matrix runs the unsharded code on it
+    whole, and everything else is elementwise."""
+    names = ["dyn_exo", "nuresformer_e"]
+    mp.spawn(_sharded_step_worker, args=(world, free_port(), names, str(tmp_path / "r")), nprocs=world)
+    found = torch.load(tmp_path / "r", weights_only=True)
+    for name in names:
+        diffs, stepped, shapes = found[name]
+        assert stepped == shapes and len(shapes) >= 3, (name, stepped)
+        # 3 ranks average 3 equal gradients, g + g + g then / 3: not g exactly (3e-8 measured); 2 ranks, exactly
+        assert diffs["grads"] <= (0 if world == 2 else 1e-7), (name, diffs)
+        assert (diffs["loss"], diffs["weights"], diffs["states"]) == (0, 0, 0), (name, diffs)
+
+
+def _export_worker(rank, world, port, out, dtype):
+    """A sharded model's own logits and its weights-only export (live), and a sharded checkpoint of it."""
+    worker = _join(rank, world, port, dtype)
+    torch.manual_seed(0)
+    model = parallel.fully_shard_model(randomize(GPT(variant("dyn_exo"))), worker)
+    gather, gathered, alive = DTensor.full_tensor, [], []  # weak references to every gathered tensor; how many
+    #                                                         of them were alive at each gathering
+
+    def full_tensor(t, **kw):
+        alive.append(sum(ref() is not None for ref in gathered))
+        whole = gather(t, **kw)
+        gathered.append(weakref.ref(whole))
+        return whole
+
+    DTensor.full_tensor = full_tensor
+    with torch.no_grad():
+        logits = model(tokens(model.config))[0]
+    checkpoint.save_weights(f"{out}/export.pt", model, {"seed": 0}, 7, "test", rank == 0)
+    DTensor.full_tensor = gather
+    loader = type("Loader", (), {"state_dict": lambda self: {"shard": 0}})()
+    checkpoint.save_sharded(f"{out}/ckpt.dcp", model, {"seed": 0}, 7, optim.configure_optimizers(model, TrainConfig()),
+                            loader, None, rank == 0)
+    if rank == 0:
+        torch.save({"logits": logits, "alive": alive, "dtypes": {p.dtype for p in model.parameters()}}, f"{out}/r")
+    dist.destroy_process_group()
+
+
+def test_the_export_of_a_sharded_model_equals_its_own_logits(tmp_path):
+    """The weights-only file written from the shards (every tensor gathered alone, never the whole model), and
+    the one convert.py writes from the sharded checkpoint, give the sharded model's logits; so does the sharded
+    checkpoint itself, which every tool reads."""
+    mp.spawn(_export_worker, args=(2, free_port(), str(tmp_path), torch.float32), nprocs=2)
+    result = torch.load(tmp_path / "r", weights_only=True)
+    assert result["dtypes"] == {torch.float32} and len(result["alive"]) > 10 and set(result["alive"]) == {0}
+    convert.convert(str(tmp_path / "ckpt.dcp"), str(tmp_path / "converted.pt"))
+    idx = tokens(variant("dyn_exo"))
+    for path in ("export.pt", "converted.pt", "ckpt.dcp"):
+        model, ckpt = load_model(str(tmp_path / path))
+        assert ckpt["step"] == 7 and ckpt["config"] == {"seed": 0}
+        with torch.no_grad():
+            assert torch.equal(model(idx)[0], result["logits"]), path
+    assert set(load_checkpoint(str(tmp_path / "export.pt"), ())) == {"model", "model_config", "step", "config",
+                                                                      "source"}
+
+
+def test_bf16_gathers_bf16_weights_and_keeps_fp32_shards(data_dir, tmp_path):
+    """dtype=bfloat16 under FSDP (CUDA's default; gloo runs it too): weights gathered in bf16 for the forward
+    (MixedPrecisionPolicy), gradients reduced and the shards stepped in fp32; it trains."""
+    out = str(tmp_path / "bf16")
+    ok(run(torchrun(2) + ["train.py", *args(data_dir, out, "--fsdp=True", "--dtype=bfloat16", "--max_steps=8")]))
+    log = read_log(out)
+    assert log[-1]["val_loss"] < log[0]["val_loss"] - 0.2, log
+    assert {v.dtype for v in final(out)["model"].values()} == {torch.float32}
+    mp.spawn(_bf16_worker, args=(free_port(), str(tmp_path / "dtypes")), nprocs=2)
+    assert torch.load(tmp_path / "dtypes", weights_only=True) == {"forward": {torch.bfloat16},
+                                                                  "shards": {torch.float32}, "grads": {torch.float32}}
+
+
+def _bf16_worker(rank, port, result_path):
+    worker = _join(rank, 2, port, torch.bfloat16)
+    model = parallel.fully_shard_model(GPT(variant("dyn_exo")), worker)
+    seen = set()
+    model.blocks[0].attn.c_attn.register_forward_hook(lambda m, i, o: seen.add(m.weight.dtype))
+    idx = tokens(model.config)
+    with worker.runtime.autocast():
+        model(idx[:, :-1], idx[:, 1:])[1].backward()
+    if rank == 0:
+        torch.save({"forward": seen, "shards": {p.dtype for p in model.parameters()},
+                    "grads": {p.grad.dtype for p in model.parameters()}}, result_path)
+    dist.destroy_process_group()
+
+
+# ----------------------------------------------------------------------------- bench.py: what each rank holds
+
+def test_bench_measures_what_each_rank_holds_and_what_its_collectives_move():
+    """torchrun bench.py --compare=fsdp at 2 ranks, from the real tensors: a rank under FSDP holds half of DDP's
+    weights, gradients and optimiser states; DDP all-reduces its gradients once (4 bytes a parameter), FSDP
+    reduce-scatters the same bytes, gathers the weights (forward and backward) and Muon all-to-alls."""
+    size = ["--n_layer=2", "--n_embd=64", "--n_head=2", "--vocab_size=256", "--block_size=32", "--batch_size=2"]
+    out = ok(run(torchrun(2) + ["bench.py", "configs/dyn_exo.py", *size, "--compare=fsdp", "--steps=1", "--rounds=1",
+                                "--warmup=1"]))
+    rows = {line.split()[0]: [float(v) for v in line.split()[1:]] for line in out.splitlines()
+            if line.startswith("dyn_exo") and len(line.split()) == 11}  # the per-rank table
+    ddp, fsdp = rows["dyn_exo"], rows["dyn_exo+fsdp"]
+    (_, _, weights, grads, muon, adam, all_reduce, all_gather, reduce_scatter, all_to_all) = ddp
+    assert weights == grads and all_reduce == pytest.approx(weights * 2**20 / 1e6, rel=1e-2) and all_to_all == 0
+    assert fsdp[2:6] == pytest.approx([weights / 2, grads / 2, muon / 2, adam / 2], rel=0.05)
+    assert fsdp[6] == 0 and fsdp[8] == pytest.approx(all_reduce, rel=1e-2) and fsdp[9] > 0
+    assert 1 < fsdp[7] / all_reduce < 2  # every unit gathered for the forward, all but the root's for the backward
+
+
+def test_bench_memory_with_ranks_gives_each_gpus_share():
+    import bench
+    size = ["--n_layer=2", "--n_embd=64", "--n_head=2", "--block_size=32", "--vocab_size=256", "--doc_mask=False"]
+    bench.main(["configs/dyn_exo.py", *size, "--memory=True", "--ranks=1,4"])
+    with torch.device("meta"):
+        net = GPT(variant("dyn_exo", n_layer=2, n_embd=64, n_head=2, vocab_size=256))
+    one, four = bench.sharded_bytes(net, 1), bench.sharded_bytes(net, 4)
+    assert one[0] == 4 * net.num_params() and one[0] == one[1]
+    assert one[0] / 4 <= four[0] < one[0] / 4 * 1.1 and four[2] < one[2] / 3 and four[3] < one[3] / 3
+    assert four[4] < one[4]  # Muon's owned share shrinks; the gathered units do not
