@@ -178,32 +178,25 @@ def write_tokenizer(enc, folder, block_size):
         "clean_up_tokenization_spaces": False})  # decode gives the text back as it was
 
 
-def model_card(config, card):
-    """README.md of a folder: the Hub's front matter, what the model is, how to load it, the citation. card: repo
-    (what from_pretrained is given), params, step, tokens, val_loss (None: not known), source."""
-    known = lambda v, fmt: "not recorded" if v is None else fmt.format(v)
-    repo = card["repo"]
-    fields = ", ".join(f"{k}={getattr(config, k)}" for k in ("gate", "anchor", "mix", "granularity", "anchor_norm",
-                                                               "dynamic", "anchor_frozen"))
-    return f"""---
+CARD = """---
 library_name: transformers
 license: mit
 pipeline_tag: text-generation
 tags: [exoformer, custom_code]
 ---
-# {config.name}
+# {name}
 
-{config.name}, a variant of ExoFormer ("Attention Projection Mixing with Exogenous Anchors",
-[arXiv 2601.08131](https://arxiv.org/abs/2601.08131)): {config.n_layer} layers, width {config.n_embd},
-{config.n_head} heads, {card['params']:,} parameters, vocabulary {config.vocab_size}, context {config.block_size}.
+{name}, a variant of ExoFormer ("Attention Projection Mixing with Exogenous Anchors",
+[arXiv 2601.08131](https://arxiv.org/abs/2601.08131)): {n_layer} layers, width {n_embd},
+{n_head} heads, {params:,} parameters, vocabulary {vocab_size}, context {block_size}.
 
 | | |
 |---|---|
-| variant | {config.name} ({fields}) |
-| training tokens | {known(card['tokens'], '{:,}')} |
-| steps | {known(card['step'], '{:,}')} |
-| final validation loss | {known(card['val_loss'], '{:.4f}')} |
-| source | {card['source']} |
+| variant | {name} ({fields}) |
+| training tokens | {tokens} |
+| steps | {steps} |
+| final validation loss | {val_loss} |
+| source | {source} |
 
 ## Use
 
@@ -220,9 +213,22 @@ load them the same way).
 ## Citation
 
 ```bibtex
-{CITATION}
+{citation}
 ```
-"""
+"""  # README.md of a folder: the Hub's front matter, what the model is, how to load it, the citation
+
+
+def model_card(config, card):
+    """The model card of a folder. card: repo (what from_pretrained is given), params, step, tokens, val_loss (None:
+    not known), source."""
+    known = lambda v, fmt: "not recorded" if v is None else fmt.format(v)
+    fields = ", ".join(f"{k}={getattr(config, k)}" for k in ("gate", "anchor", "mix", "granularity", "anchor_norm",
+                                                               "dynamic", "anchor_frozen"))
+    return CARD.format(name=config.name, fields=fields, repo=card["repo"], params=card["params"],
+                       n_layer=config.n_layer, n_embd=config.n_embd, n_head=config.n_head, vocab_size=config.vocab_size,
+                       block_size=config.block_size, tokens=known(card["tokens"], "{:,}"),
+                       steps=known(card["step"], "{:,}"), val_loss=known(card["val_loss"], "{:.4f}"),
+                       source=card["source"], citation=CITATION)
 
 
 # ----------------------------------------------------------------------------- import

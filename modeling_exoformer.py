@@ -13,7 +13,6 @@ comes in by a relative import (transformers copies the files that a module impor
 """
 from dataclasses import asdict, fields
 
-import torch
 from transformers import GenerationMixin, PretrainedConfig, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 

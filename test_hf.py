@@ -36,7 +36,7 @@ from test_train import data_dir  # noqa: F401  (fixture: toy token shards)
 HERE = os.path.dirname(os.path.abspath(__file__))
 PACKAGES = ("transformers", "safetensors", "huggingface_hub")
 if os.environ.get("CI"):
-    for name in PACKAGES:  # CI installs them: missing is a failure there
+    for name in PACKAGES + ("lm_eval", "accelerate"):  # CI installs them: missing is a failure there
         __import__(name)
 HAVE = all(importlib.util.find_spec(name) for name in PACKAGES)
 needs_hf = pytest.mark.skipif(not HAVE, reason=f"needs {', '.join(PACKAGES)} ({hf.PIP})")
@@ -434,6 +434,7 @@ def hub(server, monkeypatch, tmp_path):
     server.RequestHandlerClass = HubUpload
     server.revisions, server.lfs = {}, {}
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_DISABLE_XET", True)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)  # .ci/run sets it: this Hub is local
     monkeypatch.setattr(huggingface_hub.constants, "HF_TOKEN_PATH", str(tmp_path / "no_token"))
     monkeypatch.setattr(huggingface_hub.constants, "HF_STORED_TOKENS_PATH", str(tmp_path / "no_tokens"))
     for name in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN"):
