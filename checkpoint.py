@@ -40,6 +40,11 @@ def kept_path(out_dir, step):
     return os.path.join(out_dir, f"ckpt_{step:06d}.pt")
 
 
+def full_path(out_dir, step):
+    """The resumable copy of a step that keep_full keeps beside the resume checkpoint: a branch point."""
+    return os.path.join(out_dir, f"ckpt_{step:06d}_full.pt")
+
+
 def save_checkpoint(path, state):
     """Write atomically: a crash mid-write, or a full disk, leaves the previous checkpoint intact."""
     with atomic_write(path) as f:
@@ -92,19 +97,25 @@ def exported_state(model, config, step, source):
             "source": source}
 
 
-def load_resume(path, init_from, eval_only):
-    """The checkpoint a train.py run starts from (loaded to the CPU: RNG states must stay CPU tensors), or None for
-    a new run. auto: the one at path if there is one; a file there that is not a resumable checkpoint is an
-    error, never overwritten."""
+def load_resume(out_dir, init_from, eval_only):
+    """(checkpoint, its path) that a train.py run starts from, loaded to the CPU (RNG states must stay CPU
+    tensors), or (None, None) for a new run. auto: out_dir's checkpoint if there is one. A file (a branch): that
+    file, or out_dir's own checkpoint once there is one (a branch that was stopped goes on from it). A file
+    that is not a resumable checkpoint is an error, never overwritten."""
+    own = checkpoint_path(out_dir)
     if eval_only:
-        return load_checkpoint(path, ("model", "model_config", "step"))
-    if init_from == "resume" or (init_from == "auto" and os.path.exists(path)):
-        try:
-            return load_checkpoint(path, RESUME)
-        except ValueError as e:
-            raise ValueError(f"{e}; a run resumes from train.py's own <out_dir>/ckpt.pt, not a weights-only "
-                             f"copy") from None
-    return None
+        return load_checkpoint(own, ("model", "model_config", "step")), own
+    if init_from == "scratch" or (init_from == "auto" and not os.path.exists(own)):
+        return None, None
+    path = own if init_from in ("resume", "auto") or os.path.exists(own) else init_from
+    if path == init_from and not os.path.isfile(path):
+        raise ValueError(f"init_from={init_from!r}: no such file; expected 'scratch', 'resume', 'auto' or a "
+                         f"checkpoint to branch from (a ckpt_<step>_full.pt of keep_full)")
+    try:
+        return load_checkpoint(path, RESUME), path
+    except ValueError as e:
+        raise ValueError(f"{e}; a run resumes from train.py's own <out_dir>/ckpt.pt (or branches from a "
+                         f"ckpt_<step>_full.pt of keep_full), not a weights-only copy") from None
 
 
 def resumed_model_config(ckpt, given, path):
@@ -148,9 +159,9 @@ def set_rng_state(state):
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def disk_plan(out_dir, model, optimizers, ckpt_interval, kept, keep_every):
+def disk_plan(out_dir, model, optimizers, ckpt_interval, kept=0, keep_every=0, full=0):
     """One line: what a run's checkpoints will take on disk (the resume one every ckpt_interval steps, `kept`
-    weights-only ones every keep_every), and what the disk has free."""
+    weights-only ones every keep_every, `full` resumable ones of keep_full), and what the disk has free."""
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     muon, adam = (sum(p.numel() for g in opt.param_groups for p in g["params"]) for opt in optimizers)
     resume = weights + 4 * muon + 8 * adam  # + Muon's momentum, AdamW's two moments (fp32)
@@ -160,6 +171,7 @@ def disk_plan(out_dir, model, optimizers, ckpt_interval, kept, keep_every):
     return (f"checkpoints: {checkpoint_path(out_dir)} ~{gb(resume)}, every {ckpt_interval} steps" +
             (f"; {kept} weights-only ckpt_<step>.pt of ~{gb(weights)} (every {keep_every} steps): "
              f"{gb(kept * weights)} more" if keep_every else "") +
+            (f"; {full} resumable ckpt_<step>_full.pt (keep_full): {gb(full * resume)} more" if full else "") +
             f"; {gb(stat.f_bavail * stat.f_frsize)} free there")
 
 

@@ -2,7 +2,8 @@
 nanoGPT-style configuration: `python train.py configs/dyn_exo.py configs/tiny.py --max_steps=100`.
 Config files are plain Python assignments (`n_layer = 29`), applied in the order given, then the
 `--key=value` overrides. Every key must already have a default, and keeps its type
-(a default of None means "auto": any literal is accepted and the program checks it).
+(a default of None means "auto": any literal is accepted and the program checks it; a tuple key takes
+`--key=96,108`, one value, or a list).
 
 `--help` text is made from the comments next to the defaults (`key=value,  # meaning`), so a key and
 its meaning are written once, in one line.
@@ -25,6 +26,8 @@ def _check(key, value, defaults, source):
     expected = type(defaults[key])
     if expected is float and type(value) is int:
         value = float(value)
+    if expected is tuple and type(value) in (int, list):  # --steps=96 is (96,); a config file's list, a tuple
+        value = tuple(value) if type(value) is list else (value,)
     if type(value) is not expected:
         raise ValueError(f"{source}: {key}={value!r} is {type(value).__name__}, expected {expected.__name__} "
                          f"(default {defaults[key]!r})")

@@ -49,8 +49,10 @@ class Log:
             return
         cfg, path = run.cfg, log_path(run.cfg.out_dir)
         os.makedirs(cfg.out_dir, exist_ok=True)
-        # a resumed run's log reads as if it had never stopped: drop what came after the checkpoint
-        kept = [e for e in read_jsonl(path) if e["step"] <= run.step] if run.step > 0 and os.path.exists(path) else []
+        # a resumed run's log reads as if it had never stopped: drop what came after the checkpoint (a branch's
+        # begins with its parent's, up to the branch point)
+        history = log_path(os.path.dirname(run.started_from)) if run.started_from else None
+        kept = [e for e in read_jsonl(history) if e["step"] <= run.step] if history and os.path.exists(history) else []
         with atomic_write(path, "w") as f:
             f.writelines(json.dumps(e) + "\n" for e in kept)
             f.write(json.dumps({"step": run.step, "config": run.flat_config()}) + "\n")  # every (re)start's config
@@ -108,7 +110,8 @@ class Log:
                  (", ".join(f"{k}={v!r}" for k, v in changed.items()) or "none"))
         self.say(describe_optimizers(run.optimizers, run.model))
         if run.step:
-            self.say(f"resuming from {run.ckpt_path} at step {run.step}")
+            branch = f" (a branch, into {cfg.out_dir})" if run.started_from != run.ckpt_path else ""
+            self.say(f"resuming from {run.started_from} at step {run.step}{branch}")
         self.say(f"{run.model.num_params():,} parameters, {worker.world_size} process(es) x {run.accum} micro-step(s) "
                  f"x {cfg.batch_size} x {run.model.config.block_size} tokens, {worker.device}, compile={worker.compile}"
                  + (f", {dist.get_backend()} process group" if worker.distributed else ""))
@@ -123,7 +126,8 @@ class Log:
                  + (" (the data repeats)" if planned > available else ""))
         if worker.master:
             kept = (cfg.max_steps // cfg.keep_every - run.step // cfg.keep_every) if cfg.keep_every else 0
-            self.say(disk_plan(cfg.out_dir, run.model, run.optimizers, cfg.ckpt_interval, kept, cfg.keep_every))
+            full = sum(s > run.step for s in cfg.keep_full)
+            self.say(disk_plan(cfg.out_dir, run.model, run.optimizers, cfg.ckpt_interval, kept, cfg.keep_every, full))
 
 
 def step_seconds(times, n):

@@ -23,11 +23,11 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from checkpoint import checkpoint_path, load_checkpoint
+from checkpoint import checkpoint_path, full_path, load_checkpoint
 from configurator import read_args
 from data import atomic_write, find_shards
 from model import GPTConfig
@@ -42,16 +42,37 @@ POLL = 0.2  # seconds between looks at the running processes
 # ----------------------------------------------------------------------------- the runs
 
 class Run:
-    """One train.py process of the sweep: a variant at one seed and budget."""
+    """One train.py process of the sweep: a variant at one seed and budget. A shorter budget branched from its full
+    run (parent) starts from the full run's checkpoint of step `point` (its keep_full) and runs only its cooldown."""
 
-    def __init__(self, variant, files, seed, budget, max_steps, overrides, out_dir):
+    def __init__(self, variant, files, seed, budget, max_steps, overrides, out_dir, keep_full=(), parent=None,
+                 point=None):
         self.variant, self.files, self.seed, self.budget, self.max_steps = variant, files, seed, budget, max_steps
         self.name = f"{variant}{'' if budget == 1 else f'_b{budget:g}'}_s{seed}"
         self.dir = os.path.join(out_dir, self.name)
+        self.parent, self.waits_for = parent, parent and full_path(parent.dir, point)
         if budget != 1:  # its own max_steps, in place of any given
             overrides = [a for a in overrides if not a.startswith("--max_steps=")] + [f"--max_steps={max_steps}"]
-        self.args = [*files, *overrides, f"--seed={seed}", f"--out_dir={self.dir}", "--init_from=auto"]
-        self.proc = self.started = None
+        keep = [f"--keep_full={','.join(map(str, keep_full))}"] if keep_full else []
+        self.args = [*files, *overrides, *keep, f"--seed={seed}", f"--out_dir={self.dir}",
+                     f"--init_from={self.waits_for or 'auto'}"]
+        self.proc = self.started = self.cpu = None
+
+    def poll(self):
+        """The run's exit status once it has ended, else None; then its CPU time (user + system) is in self.cpu."""
+        pid, status, usage = os.wait4(self.proc.pid, os.WNOHANG)
+        if pid == 0:
+            return None
+        self.cpu, self.proc.returncode = usage.ru_utime + usage.ru_stime, os.waitstatus_to_exitcode(status)
+        return self.proc.returncode
+
+    def on_its_own(self):
+        """A branch whose full run finished without its branch point (a sweep of other budgets ran it): from scratch."""
+        self.waits_for, self.args[-1] = None, "--init_from=auto"
+
+    def ready(self):
+        """Whether the run can start now: a branch once its branch point exists."""
+        return self.waits_for is None or os.path.exists(self.waits_for)
 
     def finished(self):
         """Whether the run already holds its last step's checkpoint (a cheap read: nothing is loaded)."""
@@ -83,10 +104,11 @@ def _stop_with_parent():
         pass
 
 
-def plan(configs, seeds, budgets, overrides, out_dir):
+def plan(configs, seeds, budgets, overrides, out_dir, branch=True):
     """Every run, seed after seed (so that an early look at a sweep sees every variant), each checked as
-    train.py checks it before running: a bad config or key fails here, before anything starts."""
-    runs = []
+    train.py checks it before running: a bad config or key fails here, before anything starts. branch: each
+    shorter budget is a branch of the same seed's full run (which keeps its branch point), else a run of its own."""
+    variants = []
     for config in configs:
         files = config.split("+")
         missing = [f for f in files if not os.path.isfile(f)]
@@ -95,19 +117,37 @@ def plan(configs, seeds, budgets, overrides, out_dir):
         cfg = check_run(files + overrides)  # raises ValueError naming the key or file
         for split in ("train", "val"):  # present, at least (train.py checks their contents)
             find_shards(cfg.data_dir, split)
-        for budget in budgets:
-            steps = round(budget * cfg.max_steps)
-            if steps < 1:
-                raise ValueError(f"--budgets: {budget:g} of max_steps={cfg.max_steps} is no step at all")
-            if budget != 1:
-                check_run(files + overrides + [f"--max_steps={steps}"])
-            variant = "+".join(os.path.basename(f).removesuffix(".py") for f in files)
-            runs.append((variant, files, budget, steps))
-    names = [v for v, *_ in runs]
-    twice = sorted({n for n in names if names.count(n) > len(budgets)})
+        shorter = [(b, *shorter_budget(files, overrides, cfg, b, branch)) for b in budgets if b != 1]
+        variants.append(("+".join(os.path.basename(f).removesuffix(".py") for f in files), files, cfg.max_steps,
+                         shorter))
+    names = [v for v, *_ in variants]
+    twice = sorted({n for n in names if names.count(n) > 1})
     if twice:
         raise ValueError(f"variant {twice[0]} given twice (its runs would share directories)")
-    return [Run(v, files, seed, b, steps, overrides, out_dir) for seed in seeds for v, files, b, steps in runs]
+    runs = []
+    for seed in seeds:
+        for variant, files, steps, shorter in variants:
+            full = Run(variant, files, seed, 1, steps, overrides, out_dir, keep_full=tuple(p for *_, p in shorter if p))
+            runs += [full] + [Run(variant, files, seed, b, m, overrides, out_dir, parent=full if p else None, point=p)
+                              for b, m, p in shorter]
+    return runs
+
+
+def shorter_budget(files, overrides, cfg, budget, branch):
+    """(max_steps, branch point or None) of a budget below 1 of the full run's cfg; a branch point is where the
+    shorter run's cooldown begins, and a branch that would not be exact is refused in one line."""
+    steps = round(budget * cfg.max_steps)
+    if steps < 1:
+        raise ValueError(f"--budgets: {budget:g} of max_steps={cfg.max_steps} is no step at all")
+    short = check_run(files + overrides + [f"--max_steps={steps}"])
+    if not branch:
+        return steps, None
+    point = math.floor((1 - short.cooldown_frac) * steps)
+    error = short.branch_error(asdict(cfg), point) if 0 < point < cfg.max_steps else f"no step to branch at ({point})"
+    if error:
+        raise ValueError(f"--budgets: {budget:g} ({steps} steps): its cooldown cannot branch from step {point} of the "
+                         f"full run: {error}; --budgets_from_scratch runs it on its own")
+    return steps, point
 
 
 def check_run(args):
@@ -136,16 +176,46 @@ def minutes(seconds):
     return f"{seconds / 60:.1f} min"
 
 
+class Progress:
+    """The sweep's lines: one when a run starts, ends, stops or fails, with the count and an ETA from the mean
+    duration of the runs finished so far."""
+
+    def __init__(self, total, parallel):
+        self.total, self.parallel, self.done, self.durations = total, parallel, 0, []
+
+    def say(self, text, count=None):
+        print(f"[{self.done if count is None else count}/{self.total}] {text}", flush=True)
+
+    def ended(self, r, code, left):
+        """Say how r ended (exit status code, `left` runs to go); whether it did not fail."""
+        elapsed = time.time() - r.started
+        if code == 0:
+            self.done += 1
+            self.durations.append(elapsed)
+            eta = f"ETA {minutes(np.mean(self.durations) * left / self.parallel)}" if left else "all done"
+            self.say(f"done {r.name} in {minutes(elapsed)} (CPU {minutes(r.cpu)}); {eta}")
+        elif code == PREEMPTED:
+            self.say(f"stopped {r.name} after {minutes(elapsed)}: it resumes next time")
+        else:
+            self.say(f"FAILED {r.name} (exit status {code}); see {r.dir}/train.out")
+        return code in (0, PREEMPTED)
+
+
+def stranded(todo, busy):
+    """The branches in todo whose branch point can no longer appear: their full run is neither running nor to run
+    (it failed, or it finished without it)."""
+    return [r for r in todo if not r.ready() and r.parent not in todo and r.parent not in busy.values()]
+
+
 def sweep(runs, parallel):
-    """Run every unfinished run, `parallel` at a time, a line per start and end with the count and ETA.
-    SIGINT/SIGTERM stop the running ones at their next step, with a checkpoint. Returns the failed runs."""
+    """Run every unfinished run, `parallel` at a time (a branch as soon as its branch point exists), a line per start
+    and end. SIGINT/SIGTERM stop the running ones at their next step, with a checkpoint. Returns the failed runs."""
     envs = slots(parallel)
     todo = [r for r in runs if not r.finished()]
     for r in runs:
         if r not in todo:
             print(f"skip {r.name}: finished (step {r.max_steps})")
-    total, done, failed, busy, durations = len(todo), 0, [], {}, []
-    stopping = []
+    progress, failed, busy, stopping = Progress(len(todo), parallel), [], {}, []
 
     def stop(signum, frame):
         if not stopping:
@@ -158,29 +228,29 @@ def sweep(runs, parallel):
     previous = {s: signal.signal(s, stop) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         while (todo and not stopping) or busy:
-            for slot in range(parallel):
-                if slot not in busy and todo and not stopping:
-                    r = busy[slot] = todo.pop(0)
-                    r.start(envs[slot])
-                    print(f"[{done + len(busy)}/{total}] start {r.name} ({r.dir})", flush=True)
+            for slot in [s for s in range(parallel) if s not in busy]:
+                r = next((r for r in todo if r.ready()), None)
+                if r is None or stopping:
+                    break
+                todo.remove(r)
+                busy[slot] = r
+                r.start(envs[slot])
+                progress.say(f"start {r.name} ({r.dir})", progress.done + len(busy))
             time.sleep(POLL)
             for slot, r in list(busy.items()):
-                code = r.proc.poll()
-                if code is None:
-                    continue
-                del busy[slot]
-                elapsed = time.time() - r.started
-                if code == 0:
-                    done += 1
-                    durations.append(elapsed)
-                    left = len(todo) + len(busy)
-                    eta = f"ETA {minutes(sum(durations) / len(durations) * left / parallel)}" if left else "all done"
-                    print(f"[{done}/{total}] done {r.name} in {minutes(elapsed)}; {eta}", flush=True)
-                elif code == PREEMPTED:
-                    print(f"[{done}/{total}] stopped {r.name} after {minutes(elapsed)}: it resumes next time", flush=True)
-                else:
+                if r.poll() is not None:
+                    del busy[slot]
+                    if not progress.ended(r, r.proc.returncode, len(todo) + len(busy)):
+                        failed.append(r)
+            for r in [] if stopping else stranded(todo, busy):
+                if r.parent in failed:
+                    todo.remove(r)
                     failed.append(r)
-                    print(f"[{done}/{total}] FAILED {r.name} (exit status {code}); see {r.dir}/train.out", flush=True)
+                    progress.say(f"FAILED {r.name}: its full run {r.parent.name} failed")
+                else:
+                    progress.say(f"{r.name}: {r.parent.name} finished without its branch point {r.waits_for}: "
+                                 f"from scratch instead")
+                    r.on_its_own()
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
@@ -193,7 +263,7 @@ def sweep(runs, parallel):
 
 # Keys that cannot change what a run computes: runs differing only in them are replicates of one variant
 RUN_KEYS = {"seed", "out_dir", "init_from", "eval_only", "log_interval", "eval_interval", "ckpt_interval",
-            "keep_every", "wandb_log", "wandb_project", "wandb_run_name", "dist_timeout", "gpu_peak_flops"}
+            "keep_every", "keep_full", "wandb_log", "wandb_project", "wandb_run_name", "dist_timeout", "gpu_peak_flops"}
 # Student's t 0.975 quantiles for 1..30 degrees of freedom (any table); beyond, 1.96 + 2.4/df is within 0.001
 T975 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
         2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042]
@@ -295,10 +365,24 @@ def bootstrap(statistic, *groups, seed=0):
 
 
 def resample(group, rng):
-    """A list of runs, or {budget: runs}: the same shape, each list drawn with replacement."""
+    """A list of runs drawn with replacement; or {budget: runs on the same seeds, in seed order}, the same seeds drawn
+    for every budget, so that each resampled curve is on one set of seeds too."""
+    n = len(next(iter(group.values())) if isinstance(group, dict) else group)
+    picks = rng.integers(0, n, n)
     if isinstance(group, dict):
-        return {k: resample(v, rng) for k, v in group.items()}
-    return [group[i] for i in rng.integers(0, len(group), len(group))]
+        return {k: [v[i] for i in picks] for k, v in group.items()}
+    return [group[i] for i in picks]
+
+
+def budget_curve(runs):
+    """({tokens: runs in seed order}, seeds) of a variant's budgets, on only the seeds that every budget has: each
+    point of the curve is then a mean over the same seeds, and the ratio compares budgets, not seed sets."""
+    budgets = {}
+    for r in runs:
+        budgets.setdefault(r.max_steps * r.tokens_per_step, []).append(r)
+    seeds = sorted(set.intersection(*({r.seed for r in rs} for rs in budgets.values())))
+    return {t: sorted((r for r in rs if r.seed in seeds), key=lambda r: r.seed)
+            for t, rs in sorted(budgets.items())}, seeds
 
 
 def group_variants(runs):
@@ -336,18 +420,21 @@ def describe(label, runs, ref_label, ref_full):
                    resolved=None if d_ci is None else not d_ci[0] <= 0 <= d_ci[1])
     target = float(np.mean([r.final for r in ref_full]))
     out.update(target=target, tokens_to_target=[tokens_to_target(r, target) for r in full])
-    budgets = {}
-    for r in runs:
-        budgets.setdefault(r.max_steps * r.tokens_per_step, []).append(r)
-    out["budgets"] = {str(t): {"max_steps": rs[0].max_steps, "seeds": sorted(r.seed for r in rs),
-                               "mean_final_val_loss": float(np.mean([r.final for r in rs]))}
-                      for t, rs in sorted(budgets.items())}
+    budgets, seeds = budget_curve(runs)
+    out.update(budget_seeds=seeds, target_seeds=[r.seed for r in ref_full])
+    out["budgets"] = {str(t): {"max_steps": m, "seeds": seeds, "mean_final_val_loss": mean_or_none(rs),
+                               "seeds_left_out": sorted(r.seed for r in runs if r.max_steps == m and r.seed not in seeds)}
+                      for t, rs in budgets.items() for m in [t // full[0].tokens_per_step]}
     if label != ref_label:  # the reference against itself would be 1 by definition
         out.update(token_ratio=token_ratio(ref_full, full), token_ratio_ci95=bootstrap(token_ratio, ref_full, full))
-        if len(budgets) > 1:
+        if len(budgets) > 1 and seeds:
             out.update(budget_ratio=budget_ratio(ref_full, budgets),
                        budget_ratio_ci95=bootstrap(budget_ratio, ref_full, budgets))
     return out
+
+
+def mean_or_none(runs):
+    return float(np.mean([r.final for r in runs])) if runs else None
 
 
 def report(run_dirs, reference=None):
@@ -386,7 +473,21 @@ def markdown(rep):
                      f"{ci(e.get('delta_ci95'), '+.4f')} | {resolved} | {f(e.get('token_ratio'), '.3f')} | "
                      f"{ci(e.get('token_ratio_ci95'), '.3f')} | {f(e.get('budget_ratio'), '.3f')} | "
                      f"{ci(e.get('budget_ratio_ci95'), '.3f')} |")
-    return "\n".join(lines)
+    return "\n".join(lines + [note for label, e in rep.items() if (note := budget_note(label, e, rep))])
+
+
+def budget_note(label, e, rep):
+    """The line under the table that says which seeds a variant's budget ratio uses, and its target's."""
+    if len(e["budgets"]) < 2:
+        return None
+    seeds = lambda xs: ", ".join(map(str, xs)) or "none"
+    left = "; ".join(f"seeds {seeds(b['seeds_left_out'])} of the {b['max_steps']}-step runs" for b in
+                     e["budgets"].values() if b["seeds_left_out"])
+    ref = next(k for k, v in rep.items() if v["reference"])
+    return (f"\n{label}: the budget curve uses seeds {seeds(e['budget_seeds'])}, those every budget has"
+            f"{f' (left out: {left})' if left else ''}. Its target is {ref}'s mean final loss over all its seeds "
+            f"({seeds(e['target_seeds'])}), the token ratio's target too: the reference's loss, which all its runs "
+            f"estimate, whichever seeds the variant has.")
 
 
 def plot_report(rep, full_runs, path):
@@ -447,8 +548,11 @@ def parse_args(argv):
     p.add_argument("--seeds", default="0,1,2", help="comma-separated seeds: each variant runs once per seed")
     p.add_argument("--out_dir", default="out/sweep", help="the runs go to OUT_DIR/<variant>_s<seed>")
     p.add_argument("--parallel", type=int, default=1, help="runs at once: one per GPU, or a share of the CPU cores")
-    p.add_argument("--budgets", default="1", help="fractions of max_steps, each run with its own full schedule "
-                                                 "(the budget-matched data efficiency), e.g. 0.5,0.75,1")
+    p.add_argument("--budgets", default="1", help="fractions of max_steps, each a run with its own full schedule "
+                   "(the budget-matched data efficiency), e.g. 0.5,0.75,1: a shorter one branches its cooldown from "
+                   "the same seed's full run")
+    p.add_argument("--budgets_from_scratch", action="store_true", help="run each shorter budget on its own, from "
+                   "step 0, instead of branching it from the full run")
     p.add_argument("--print", action="store_true", help="print one shell command per run and run nothing")
     p.add_argument("--report", nargs="+", metavar="RUN_DIR", help="only compare these run directories")
     p.add_argument("--reference", default=None, help="the report's reference variant (default: the first)")
@@ -460,7 +564,7 @@ def parse_args(argv):
     if bad:
         p.error(f"{bad[0]}: expected --key=value (a train.py key)")
     for a in rest:
-        if a.split("=")[0] in ("--seed", "--init_from"):
+        if a.split("=")[0] in ("--seed", "--init_from", "--keep_full"):
             p.error(f"{a}: the sweep sets it for every run (use --seeds)")
     try:
         args.seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
@@ -483,10 +587,10 @@ def main(argv=None):
     try:
         if args.report:
             return write_report(args.report, args.reference, args.out)
-        runs = plan(args.configs, args.seeds, args.budgets, overrides, args.out_dir)
-        if args.print:
-            for r in runs:
-                print(r.command())
+        runs = plan(args.configs, args.seeds, args.budgets, overrides, args.out_dir, not args.budgets_from_scratch)
+        if args.print:  # the full runs first, then each branch after a line naming the file it waits for
+            for r in sorted(runs, key=lambda r: r.waits_for is not None):
+                print(*[f"# waits for {r.waits_for}"] * bool(r.waits_for), r.command(), sep="\n")
             return runs
         failed = sweep(runs, args.parallel)
         if failed:

@@ -80,3 +80,13 @@ class Config:
     text = help_text("usage: tool.py", [("keys", dict(lr=0.01, out_dir="out#1", seed=42), key_comments(path, "DEFAULTS"))])
     assert text.splitlines() == ["usage: tool.py", "", "keys:", "  lr = 0.01          peak learning rate",
                                  "  out_dir = 'out#1'  where '#' in a value is no comment", "  seed = 42"]
+
+
+def test_a_tuple_key_takes_a_list_of_values_or_one(tmp_path):
+    defaults = dict(steps=(), name="x")
+    (tmp_path / "c.py").write_text("steps = [3, 4]\n")
+    assert read_args([str(tmp_path / "c.py")], defaults) == {"steps": (3, 4)}
+    assert read_args(["--steps=96,108"], defaults) == {"steps": (96, 108)}
+    assert read_args(["--steps=96"], defaults) == {"steps": (96,)}
+    with pytest.raises(ValueError, match="steps='a' is str, expected tuple"):
+        read_args(["--steps=a"], defaults)

@@ -100,7 +100,7 @@ def wait_for_step(out, step, proc):
 def unbroken(data_dir, tmp_path_factory):
     """The 2-process run that the broken ones must end up equal to."""
     out = str(tmp_path_factory.mktemp("unbroken"))
-    code, _, err = run(TORCHRUN + ["train.py", *args(data_dir, out)])
+    code, _, err = run(TORCHRUN + ["train.py", *args(data_dir, out, "--keep_full=16")])  # a branch point too
     assert code == 0, err[-3000:]
     return out
 
@@ -154,6 +154,17 @@ def test_a_stop_at_an_evaluation_step_leaves_the_evaluation_to_the_resumed_run(d
     strip = lambda out: [{k: v for k, v in e.items() if k not in ("step_ms", "tok_per_s")} for e in read_log(out)]
     assert strip(stopped) == strip(straight)
     assert_same_run(straight, stopped)
+
+
+def test_a_branch_under_torchrun_equals_a_run_of_its_length_from_scratch(data_dir, unbroken, tmp_path):
+    """Two gloo ranks: the unbroken 40-step run's step-16 checkpoint (keep_full) continued with --max_steps=20 ends
+    bit for bit as a 20-step run of two ranks from scratch: weights, optimiser states, data position, the log."""
+    branch, scratch = str(tmp_path / "branch"), str(tmp_path / "scratch")
+    point = os.path.join(unbroken, "ckpt_000016_full.pt")
+    for out, extra in ((branch, [f"--init_from={point}"]), (scratch, [])):
+        code, _, err = run(TORCHRUN + ["train.py", *args(data_dir, out, "--max_steps=20", *extra)])
+        assert code == 0, err[-3000:]
+    assert_same_run(scratch, branch)
 
 
 # ----------------------------------------------------------------------------- dead and hung workers

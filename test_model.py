@@ -697,6 +697,24 @@ def test_readme_paper_to_code_table_points_at_its_lines():
             f"README.md: the row {marker!r} points at {name}:{n}, which reads {lines[int(n) - 1].strip()!r}"
 
 
+def test_every_relative_link_of_the_docs_resolves():
+    """README.md and docs/*.md link each other by file and heading: every such link names a file that exists and,
+    with a #fragment, a heading of it (GitHub's anchors: lower case, spaces as hyphens, punctuation dropped)."""
+    def anchors(path):
+        return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-")
+                for h in re.findall(r"(?m)^#+ (.*)$", open(path, encoding="utf-8").read())}
+    pages = ["README.md"] + [os.path.join("docs", f) for f in os.listdir(os.path.join(ROOT, "docs")) if f.endswith(".md")]
+    for page in pages:
+        for link in re.findall(r"\]\(([^)\s]+)\)", open(os.path.join(ROOT, page), encoding="utf-8").read()):
+            if link.startswith(("http://", "https://")):
+                continue
+            path, _, fragment = link.partition("#")
+            target = os.path.normpath(os.path.join(ROOT, os.path.dirname(page), path)) if path else os.path.join(ROOT, page)
+            assert os.path.exists(target), f"{page}: the link {link} names no file"
+            if fragment and target.endswith(".md"):
+                assert fragment in anchors(target), f"{page}: the link {link} names no heading of {path or page}"
+
+
 def test_a_forked_variant_passes_the_generic_tests(tmp_path):
     """A fork that adds a granularity (one line in GRANULARITY_SHAPES) and a config file using it, with a
     training key in it too, runs the generic tests on it and passes them; README.md needs no change."""

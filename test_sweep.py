@@ -3,6 +3,7 @@ and started again, --print, and the refusals; and of the frozen-anchor control."
 import json
 import math
 import os
+import re
 import signal
 import statistics
 import subprocess
@@ -17,7 +18,7 @@ import sweep
 import train
 from checkpoint import load_checkpoint
 from model import GPT, GPTConfig
-from test_train import ROOT, SMALL, data_dir, read_log  # noqa: F401  (data_dir: the toy shards fixture)
+from test_train import ROOT, SMALL, assert_same_run, data_dir, read_log  # noqa: F401  (data_dir: the toy shards fixture)
 
 GATED = dict(gate=True, anchor="none", mix="", granularity="scalar", anchor_norm=False, dynamic=False)
 DYN = dict(gate=True, anchor="exo", mix="qkvg", granularity="elementwise", anchor_norm=True, dynamic=True)
@@ -88,8 +89,9 @@ def test_budgets_and_the_budget_matched_ratio(tmp_path):
     d = rep["Dynamic E-ExoFormer"]
     assert len(rep) == 2 and d["seeds"] == [0, 1] and d["max_steps"] == 20  # budgets are one variant
     assert [r.max_steps for r in full_runs["Dynamic E-ExoFormer"]] == [20, 20]
-    assert d["budgets"] == {"10000": {"max_steps": 10, "seeds": [0, 1], "mean_final_val_loss": pytest.approx(3.3)},
-                            "20000": {"max_steps": 20, "seeds": [0, 1], "mean_final_val_loss": pytest.approx(3.0)}}
+    assert d["budgets"] == {
+        "10000": {"max_steps": 10, "seeds": [0, 1], "mean_final_val_loss": pytest.approx(3.3), "seeds_left_out": []},
+        "20000": {"max_steps": 20, "seeds": [0, 1], "mean_final_val_loss": pytest.approx(3.0), "seeds_left_out": []}}
     tokens = 10_000 + (3.3 - 3.1) / (3.3 - 3.0) * 10_000  # where the mean final loss reaches the target 3.1
     assert d["budget_ratio"] == pytest.approx(20_000 / tokens)
     assert d["budget_ratio_ci95"][0] <= d["budget_ratio"] <= d["budget_ratio_ci95"][1]
@@ -98,6 +100,32 @@ def test_budgets_and_the_budget_matched_ratio(tmp_path):
     worse += [write_run(tmp_path, f"w{s}_b", DYN, s, {0: 10.0, 10: 3.8}, muon_lr=0.02) for s in range(2)]
     w = sweep.report(ref + worse)[0]["Dynamic E-ExoFormer"]
     assert w["budget_ratio"] is None and w["token_ratio"] is None and w["tokens_to_target"] == [None, None]
+
+
+def test_the_budget_ratio_uses_only_the_seeds_every_budget_has(tmp_path):
+    """Full-budget runs on seeds 0-4, the shorter budget on seeds 0-2 only: the curve (and its bootstrap) uses seeds
+    0-2 at every budget; seeds 3 and 4, whatever their losses, change neither the ratio nor its interval. The
+    target is the reference's mean over all its seeds. Computed here by hand."""
+    ref = [write_run(tmp_path, f"g{s}", GATED, s, curve(f)) for s, f in enumerate([3.10, 3.12, 3.08, 3.16, 3.14])]
+    full = [write_run(tmp_path, f"d{s}", DYN, s, curve(f)) for s, f in enumerate([3.00, 3.02, 2.98])]
+    short = [write_run(tmp_path, f"d{s}_b", DYN, s, {0: 10.0, 10: f}) for s, f in enumerate([3.30, 3.26, 3.34])]
+    rep, _ = sweep.report(ref + full + short)
+    extra = [write_run(tmp_path, f"d{s}", DYN, s, curve(f)) for s, f in [(3, 2.50), (4, 3.60)]]
+    mixed, _ = sweep.report(ref + full + short + extra)
+    target = np.mean([3.10, 3.12, 3.08, 3.16, 3.14])  # 3.12
+    tokens = 10_000 + (3.30 - target) / (3.30 - 3.00) * 10_000  # means: 3.30 at 10 steps, 3.00 at 20 (seeds 0-2)
+    for d in (rep["Dynamic E-ExoFormer"], mixed["Dynamic E-ExoFormer"]):
+        assert d["budget_ratio"] == pytest.approx(20_000 / tokens) and d["target_seeds"] == [0, 1, 2, 3, 4]
+        assert d["budget_seeds"] == [0, 1, 2] and d["budgets"]["20000"]["mean_final_val_loss"] == pytest.approx(3.0)
+    d, m = rep["Dynamic E-ExoFormer"], mixed["Dynamic E-ExoFormer"]
+    assert m["budget_ratio_ci95"] == d["budget_ratio_ci95"] and m["seeds"] == [0, 1, 2, 3, 4]
+    assert m["budgets"]["20000"]["seeds_left_out"] == [3, 4]
+    assert m["budget_ratio"] != pytest.approx(20_000 / (10_000 + (3.30 - target) / (3.30 - np.mean(
+        [3.00, 3.02, 2.98, 2.50, 3.60])) * 10_000))  # what mixing the seed sets would give
+    note = sweep.markdown(mixed).splitlines()[-1]
+    assert note.startswith("Dynamic E-ExoFormer: the budget curve uses seeds 0, 1, 2, those every budget has (left "
+                           "out: seeds 3, 4 of the 20-step runs). Its target is Gated Attention's mean final loss "
+                           "over all its seeds (0, 1, 2, 3, 4)"), note
 
 
 def test_variants_group_by_config_and_labels_tell_twins_apart(tmp_path):
@@ -158,7 +186,8 @@ def test_a_sweep_stopped_in_its_third_run_and_started_again_redoes_nothing(data_
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     r = subprocess.run(sweep_cmd(data_dir, straight), cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
-    assert "[4/4] done dyn_exo_s1" in r.stdout and "| Gated Attention | 2 |" in r.stdout
+    assert re.search(r"\[4/4\] done dyn_exo_s1 in \d+\.\d min \(CPU \d+\.\d min\)", r.stdout), r.stdout
+    assert "| Gated Attention | 2 |" in r.stdout
     proc = subprocess.Popen(sweep_cmd(data_dir, out, "--log_interval=1"), cwd=ROOT, env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
     third = os.path.join(out, "gated_s1", "log.jsonl")  # the order: seed 0 of both variants, then seed 1
@@ -183,19 +212,74 @@ def test_a_sweep_stopped_in_its_third_run_and_started_again_redoes_nothing(data_
         assert read_log(f"{straight}/{run}")[-1]["val_loss"] == read_log(f"{out}/{run}")[-1]["val_loss"]
 
 
+def test_a_sweep_killed_between_a_full_run_and_its_branch_resumes_without_redoing_the_full_run(data_dir, tmp_path):
+    """--budgets=0.5,1 branches the 6-step budget from the 12-step run's step 4. The sweep is killed as the full run
+    ends; started again, it skips the full run and runs the branch, which ends bit for bit as a 6-step run of its
+    own (same threads: the sweep's slot)."""
+    out = str(tmp_path / "sw")
+    cmd = sweep_cmd(data_dir, out, "--budgets=0.5,1", "--seeds=0")
+    cmd.remove("configs/dyn_exo.py")
+    proc = subprocess.Popen(cmd, cwd=ROOT, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    seen = []
+    for line in proc.stdout:  # the sweep dies as soon as it says the full run is done
+        seen.append(line)
+        if "done gated_s0" in line:
+            os.killpg(proc.pid, signal.SIGKILL)
+            break
+    proc.communicate(timeout=60)
+    assert any("done gated_s0" in line for line in seen), "".join(seen)
+    deadline = time.time() + 120
+    while time.time() < deadline and running("gated_b0.5_s0"):
+        time.sleep(0.05)
+    full = os.path.join(out, "gated_s0", "ckpt.pt")
+    before = os.stat(full).st_mtime_ns
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    lines = r.stdout.splitlines()
+    assert "skip gated_s0: finished (step 12)" in lines and os.stat(full).st_mtime_ns == before
+    assert [line.split()[2] for line in lines if " start " in line] == ["gated_b0.5_s0"]
+    assert [e["step"] for e in read_log(os.path.dirname(full), configs=True)] == [0]  # started once
+    own = str(tmp_path / "own")
+    args = [a for a in cmd[3:] if not a.startswith(("--seeds", "--out_dir", "--budgets"))]
+    args += ["--max_steps=6", "--seed=0", f"--out_dir={own}"]
+    r = subprocess.run([sys.executable, "train.py", "configs/gated.py", *args], cwd=ROOT, capture_output=True,
+                       text=True, env={**os.environ, **sweep.slots(1)[0]}, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert_same_run(own, os.path.join(out, "gated_b0.5_s0"))
+    # a budget whose branch point the finished full run never kept (at step 2 of 0.25 x 12): from scratch
+    r = subprocess.run([c if c != "--budgets=0.5,1" else "--budgets=0.25,1" for c in cmd], cwd=ROOT,
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and load_checkpoint(f"{out}/gated_b0.25_s0/ckpt.pt")["step"] == 3, r.stdout[-2000:]
+    assert (f"gated_b0.25_s0: gated_s0 finished without its branch point {out}/gated_s0/ckpt_000002_full.pt: from "
+            f"scratch instead") in r.stdout
+
+
 def test_print_gives_runnable_commands_and_bad_input_is_refused_before_any_run(data_dir, tmp_path):
     out = tmp_path / "sw"
     r = subprocess.run(sweep_cmd(data_dir, out, "--print", "--budgets=0.5,1"), cwd=ROOT, capture_output=True,
                        text=True, timeout=120)
-    commands = r.stdout.splitlines()
-    assert r.returncode == 0 and len(commands) == 8 and not out.exists()  # 2 variants x 2 seeds x 2 budgets
-    assert commands[0].endswith(f"--seed=0 --out_dir={out}/gated_b0.5_s0 --init_from=auto") and \
-        "--max_steps=6" in commands[0] and "--max_steps=12" not in commands[0]
-    r = subprocess.run(commands[0], shell=True, cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0 and load_checkpoint(f"{out}/gated_b0.5_s0/ckpt.pt")["step"] == 6, r.stderr[-2000:]
+    lines = r.stdout.splitlines()  # 2 variants x 2 seeds: the full runs, then each branch after what it waits for
+    assert r.returncode == 0 and len(lines) == 4 + 2 * 4 and not out.exists(), r.stderr
+    full, branch = lines[0], lines[5]
+    assert full.endswith(f"--keep_full=4 --seed=0 --out_dir={out}/gated_s0 --init_from=auto")
+    point = f"{out}/gated_s0/ckpt_000004_full.pt"  # where the 6-step budget's cooldown begins: 0.8 x 6
+    assert lines[4] == f"# waits for {point}" and "--max_steps=6" in branch and "--max_steps=12" not in branch
+    assert branch.endswith(f"--seed=0 --out_dir={out}/gated_b0.5_s0 --init_from={point}")
+    for command in (full, branch):
+        r = subprocess.run(command, shell=True, cwd=ROOT, capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr[-2000:]
+    assert load_checkpoint(f"{out}/gated_b0.5_s0/ckpt.pt")["step"] == 6
+    scratch = subprocess.run(sweep_cmd(data_dir, out, "--print", "--budgets=0.5,1", "--budgets_from_scratch"),
+                             cwd=ROOT, capture_output=True, text=True, timeout=120).stdout.splitlines()
+    assert len(scratch) == 8 and not any("keep_full" in c or "# waits" in c for c in scratch)
+    assert f"--out_dir={out}/gated_b0.5_s0 --init_from=auto" in scratch[1]
     for extra, message in [(["--n_layers=3"], "unknown key 'n_layers' (did you mean n_layer?)"),
                            (["--seed=3"], "--seed=3: the sweep sets it for every run (use --seeds)"),
                            (["--budgets=0.5"], "1 among them"),
+                           (["--muon_momentum_steps=5", "--budgets=0.95,1"], "--budgets: 0.95 (11 steps): its "
+                            "cooldown cannot branch from step 8 of the full run: step 8 lies inside the Muon momentum "
+                            "ramp-down of a run of max_steps=11"),
                            (["configs/nope.py"], "configs/nope.py: no config file configs/nope.py"),
                            (["--data_dir=/nonexistent"], "/nonexistent: data directory not found")]:
         r = subprocess.run(sweep_cmd(data_dir, tmp_path / "bad", *extra), cwd=ROOT, capture_output=True, text=True,

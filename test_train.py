@@ -10,6 +10,7 @@ import sys
 import time
 import types
 import weakref
+from dataclasses import asdict, replace
 from datetime import timedelta
 
 import numpy as np
@@ -412,15 +413,50 @@ def test_resume_is_bitwise_identical(data, tmp_path, monkeypatch, request):
     assert read_log(resumed, configs=True)[1]["config"]["init_from"] == "resume"
 
 
-def test_a_cooldown_branched_from_a_longer_run_equals_a_run_of_its_own_length(data_dir, tmp_path, monkeypatch):
-    """Branching a cooldown (Hagele et al. 2024, the README's budget-matched measure): the checkpoint of step s of
-    a 12-step run, resumed with --max_steps=8, ends bit for bit as an 8-step run, since both schedules are the same
-    up to s (s <= 0.8 * 8, before either decays, and s <= 8 - muon_momentum_steps)."""
-    common = SMALL + [f"--data_dir={data_dir}", "--ckpt_interval=4"]
+def test_a_cooldown_branched_from_a_longer_run_equals_a_run_of_its_own_length(data_dir, tmp_path, capsys):
+    """Branching a cooldown (Hagele et al. 2024, the README's budget-matched measure): the 12-step run keeps a
+    resumable checkpoint of step 6 (keep_full), and --init_from=<it> --max_steps=8 into a new directory ends bit for
+    bit as an 8-step run from scratch, log included (it begins with the parent's, up to step 6), since both
+    schedules are the same before step 6 (6 - 1 <= 0.8 * 8, and 6 - 1 <= 8 - muon_momentum_steps). A branch point
+    inside the shorter run's decay, or a key that changes the computation, is refused in one line."""
+    common = SMALL + [f"--data_dir={data_dir}", "--eval_interval=3"]
     train.main(common + [f"--out_dir={tmp_path / 'short'}", "--max_steps=8"])
-    stopped_after_checkpoint(4, common + [f"--out_dir={tmp_path / 'branch'}", "--max_steps=12"], monkeypatch)
-    train.main(common + [f"--out_dir={tmp_path / 'branch'}", "--max_steps=8", "--init_from=resume"])
+    train.main(common + [f"--out_dir={tmp_path / 'long'}", "--max_steps=12", "--keep_full=6,8"])
+    assert sorted(f for f in os.listdir(tmp_path / "long") if f.endswith("_full.pt")) == [
+        "ckpt_000006_full.pt", "ckpt_000008_full.pt"]
+    point = str(tmp_path / "long" / "ckpt_000006_full.pt")
+    capsys.readouterr()
+    train.main(common + [f"--out_dir={tmp_path / 'branch'}", "--max_steps=8", f"--init_from={point}"])
+    assert f"resuming from {point} at step 6 (a branch, into {tmp_path / 'branch'})" in capsys.readouterr().out
     assert_same_run(tmp_path / "short", tmp_path / "branch")
+    assert [e["step"] for e in read_log(tmp_path / "branch", configs=True)] == [0, 6]  # the parent's start, its own
+    train.main(common + [f"--out_dir={tmp_path / 'branch'}", "--max_steps=8", f"--init_from={point}"])  # finished
+    late = str(tmp_path / "long" / "ckpt_000008_full.pt")
+    with pytest.raises(SystemExit, match=r"^train.py: error: .*ckpt_000008_full.pt: cannot branch from it: step 8 lies "
+                       r"inside the learning-rate decay of a run of max_steps=8: a branch point s needs s - 1 <= "
+                       r"\(1 - cooldown_frac\) x max_steps = 6.4 in both runs$"):
+        train.main(common + [f"--out_dir={tmp_path / 'late'}", "--max_steps=8", f"--init_from={late}"])
+    with pytest.raises(SystemExit, match="its run has adam_lr=0.003, this one adam_lr=0.001: a branch changes "
+                                         "max_steps only"):
+        train.main(common + [f"--out_dir={tmp_path / 'lr'}", "--max_steps=8", f"--init_from={point}", "--adam_lr=0.001"])
+    assert not os.path.exists(tmp_path / "late") and not os.path.exists(tmp_path / "lr")  # refused before any work
+
+
+def test_branch_points_at_the_edges_of_both_conditions():
+    """s - 1 <= (1 - cooldown_frac) * max_steps and s - 1 <= max_steps - muon_momentum_steps, in the parent (30 steps)
+    and the branch: at each bound a branch is exact (every step before s has the same learning rate and momentum in
+    both schedules, computed here), one step past it is refused."""
+    branch = cfg(max_steps=10, muon_momentum_steps=4, warmup_steps=2)
+    parent = {**asdict(branch), "max_steps": 30}
+    same = lambda s: all(lr_multiplier(t, branch) == lr_multiplier(t, replace(branch, max_steps=30)) and
+                         muon_momentum(t, branch) == muon_momentum(t, replace(branch, max_steps=30)) for t in range(s))
+    assert branch.branch_error(parent, 7) is None and same(7)  # 6 <= 10 - 4
+    assert "momentum ramp-down of a run of max_steps=10" in branch.branch_error(parent, 8) and not same(8)
+    wide = replace(branch, muon_momentum_steps=1)
+    assert wide.branch_error({**parent, "muon_momentum_steps": 1}, 9) is None  # 8 <= 0.8 * 10
+    assert "learning-rate decay of a run of max_steps=10" in wide.branch_error({**parent, "muon_momentum_steps": 1}, 10)
+    longer = cfg(max_steps=30, muon_momentum_steps=1)  # a branch longer than its parent: the parent's decay counts
+    assert "learning-rate decay of a run of max_steps=10" in longer.branch_error({**asdict(longer), "max_steps": 10}, 10)
 
 
 def assert_same_run(a_dir, b_dir, close=None):
@@ -546,7 +582,8 @@ def test_checkpoint_with_pickled_callable_is_refused(tmp_path):
     (["--n_layers=3"], "unknown key 'n_layers' (did you mean n_layer?)"),
     (["--max_steps=ten"], "max_steps='ten' is str, expected int"),
     (["--total_batch_size=100"], "total_batch_size=100: expected a multiple of batch_size x block_size"),
-    (["--init_from=latest"], "init_from='latest': expected 'scratch', 'resume' or 'auto'"),
+    (["--init_from=latest"], "init_from='latest': no such file; expected 'scratch', 'resume', 'auto' or a checkpoint "
+                               "to branch from"),
     (["--anchor=exo"], "GPTConfig.mix='': anchor='exo'"),
     (["--data_dir=/nonexistent/shards"], "/nonexistent/shards"),
     (["--init_from=resume", "--out_dir=/nonexistent/out"], "/nonexistent/out/ckpt.pt: no checkpoint there"),

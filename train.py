@@ -36,7 +36,7 @@ import torch
 import torch.nn as nn
 
 import parallel
-from checkpoint import (checkpoint_path, exported_state, kept_path, load_resume, restore_training,
+from checkpoint import (checkpoint_path, exported_state, full_path, kept_path, load_resume, restore_training,
                         resume_state, resumed_model_config, save_checkpoint, trained_doc_mask)
 from configurator import help_text, key_comments, read_args, wants_help
 from data import DataLoader, val_batches
@@ -54,13 +54,14 @@ class TrainConfig:
     # I/O
     data_dir: str = "data/finewebedu10B"  # shards from prepare.py (*_train_*.bin, *_val_*.bin)
     out_dir: str = "out"  # ckpt.pt and log.jsonl
-    init_from: str = "scratch"  # 'scratch', 'resume' (continue from <out_dir>/ckpt.pt) or 'auto' (resume if it exists)
+    init_from: str = "scratch"  # 'scratch', 'resume' (continue from <out_dir>/ckpt.pt), 'auto' (resume if it exists), or a ckpt_<step>_full.pt to branch from
     eval_only: bool = False  # evaluate <out_dir>/ckpt.pt on the whole validation shard and exit
     log_interval: int = 10  # steps between log lines
     eval_interval: int = 500  # steps between validation losses
     eval_tokens: int = 10_485_760  # validation tokens per evaluation during training
     ckpt_interval: int = 1000  # steps between checkpoints of <out_dir>/ckpt.pt (one is also written at the end)
     keep_every: int = 0  # also keep a weights-only <out_dir>/ckpt_<step>.pt every this many steps (0: none)
+    keep_full: tuple = ()  # steps at which to also keep a resumable <out_dir>/ckpt_<step>_full.pt, a branch point
     wandb_log: bool = False  # also log to Weights & Biases (needs wandb installed)
     wandb_project: str = "exoformer"  # W&B project
     wandb_run_name: str = "run"  # W&B run name
@@ -98,23 +99,45 @@ class TrainConfig:
 
     def micro_steps(self, model_config, world_size):
         """The micro-steps per optimiser step, after a one-line error for the first key whose value is wrong."""
-        if self.init_from not in ("scratch", "resume", "auto"):
-            raise ValueError(f"init_from={self.init_from!r}: expected 'scratch', 'resume' or 'auto'")
         for key in POSITIVE:
             if getattr(self, key) < 1:
                 raise ValueError(f"{key}={getattr(self, key)}: expected a positive integer")
         if self.keep_every < 0:
             raise ValueError(f"keep_every={self.keep_every}: expected 0 (none) or a positive number of steps")
+        if not all(type(s) is int and 0 < s < self.max_steps for s in self.keep_full):
+            raise ValueError(f"keep_full={self.keep_full}: expected steps between 1 and max_steps-1={self.max_steps - 1}")
         micro = self.batch_size * model_config.block_size * world_size
         if self.total_batch_size % micro:
             raise ValueError(f"total_batch_size={self.total_batch_size}: expected a multiple of batch_size x "
                              f"block_size x processes = {micro}")
         return self.total_batch_size // micro
 
+    def branch_error(self, parent, step):
+        """Why continuing a run of configuration `parent` (flat, as its checkpoint records it) from its step `step`
+        with this configuration would not end bit for bit as a run of this one from scratch; None if it would.
+        Both must agree on every key that changes what steps 0..step-1 compute, and their schedules must too:
+        each step before the branch point comes before either run's learning-rate decay and momentum ramp-down."""
+        changed = [k for k in DEFAULTS if k not in BRANCH_FREE and k in parent and parent[k] != getattr(self, k)]
+        if changed:
+            return (f"its run has {', '.join(f'{k}={parent[k]!r}' for k in changed)}, this one "
+                    f"{', '.join(f'{k}={getattr(self, k)!r}' for k in changed)}: a branch changes max_steps only")
+        for m in (parent["max_steps"], self.max_steps):
+            if step - 1 > (1 - self.cooldown_frac) * m:
+                return (f"step {step} lies inside the learning-rate decay of a run of max_steps={m}: a branch point "
+                        f"s needs s - 1 <= (1 - cooldown_frac) x max_steps = {(1 - self.cooldown_frac) * m:g} in both runs")
+            if step - 1 > m - self.muon_momentum_steps:
+                return (f"step {step} lies inside the Muon momentum ramp-down of a run of max_steps={m}: a branch "
+                        f"point s needs s - 1 <= max_steps - muon_momentum_steps = {m - self.muon_momentum_steps} in "
+                        f"both runs")
+        return None
+
 
 POSITIVE = ("max_steps", "batch_size", "total_batch_size", "log_interval", "eval_interval", "ckpt_interval",
             "warmup_steps", "muon_momentum_steps", "dist_timeout")
 DEFAULTS = asdict(TrainConfig())
+# Keys a branch may set as it likes (they change no step's computation or logged value), beside max_steps
+BRANCH_FREE = {"max_steps", "out_dir", "init_from", "log_interval", "eval_interval", "ckpt_interval", "keep_every",
+               "keep_full", "wandb_log", "wandb_project", "wandb_run_name", "dist_timeout", "gpu_peak_flops"}
 MODEL_KEYS = [f.name for f in fields(GPTConfig)]
 ALL_DEFAULTS = {**DEFAULTS, **{f.name: f.default for f in fields(GPTConfig)}}
 
@@ -178,6 +201,7 @@ class TrainingRun:
     step: int = 0
     train_loss: float = None  # of the last step
     pending_log: dict = None  # a stop at an evaluation step: its log entry, evaluated and logged on resume
+    started_from: str = None  # the checkpoint it (re)started from: its log begins with that run's, up to step
 
     @property
     def ckpt_path(self):
@@ -206,10 +230,10 @@ def build(cfg, model_config, worker, accum):
                        optimizers, loader)
 
 
-def restore(run, ckpt):
+def restore(run, ckpt, path):
     """Continue from a checkpoint: the weights, and for training the optimisers, data position, RNG and step."""
     run.model.load_state_dict(ckpt["model"])
-    run.step = ckpt["step"]
+    run.step, run.started_from = ckpt["step"], path
     if not run.cfg.eval_only:
         run.pending_log = restore_training(ckpt, run.optimizers, run.loader)
 
@@ -267,8 +291,8 @@ def train(run, log, stop):
             entry["val_loss"] = evaluate(run, cfg.eval_tokens)
         if not pending and (due(run.step, cfg.log_interval, cfg) or "val_loss" in entry or "epoch" in entry):
             log.step(entry)
-        if due(run.step, cfg.ckpt_interval, cfg) or stopping:
-            save(run, pending_log=entry if pending else None)
+        for path in checkpoints_due(run, stopping):
+            save(run, path, pending_log=entry if pending else None)
         if cfg.keep_every and run.step % cfg.keep_every == 0:
             keep_weights(run)
         if stopping:
@@ -282,6 +306,13 @@ def micro_batches(run):
     device, n = run.worker.device, run.cfg.batch_size
     for i, (x, y) in enumerate(zip(xs.split(n), ys.split(n))):
         yield x.to(device, non_blocking=True), y.to(device, non_blocking=True), i == run.accum - 1
+
+
+def checkpoints_due(run, stopping):
+    """The resume checkpoints of this step: the rolling one every ckpt_interval steps, at the end and at a stop; a
+    branch point of keep_full."""
+    rolling = due(run.step, run.cfg.ckpt_interval, run.cfg) or stopping
+    return [run.ckpt_path] * rolling + [full_path(run.cfg.out_dir, run.step)] * (run.step in run.cfg.keep_full)
 
 
 def due(step, interval, cfg):
@@ -299,20 +330,20 @@ def stop_unless_finite(run, entry, key):
 
 # ----------------------------------------------------------------------------- save
 
-def save(run, pending_log=None):
-    """The resume checkpoint: rank 0 writes it, and every rank learns whether that worked (a full disk stops the
+def save(run, path, pending_log=None):
+    """A resume checkpoint: rank 0 writes it, and every rank learns whether that worked (a full disk stops the
     run with one line, the previous checkpoint intact: data.atomic_write)."""
     error = None
     if run.worker.master:
         try:
-            save_checkpoint(run.ckpt_path, resume_state(run.model, run.flat_config(), run.step, run.optimizers,
+            save_checkpoint(path, resume_state(run.model, run.flat_config(), run.step, run.optimizers,
                                                         run.loader, pending_log))
         except OSError as e:
             error = e
     if run.worker.any(error is not None):
         why = f"{error.strerror or error}" if error else "rank 0 could not write it"
         full = " (the disk is full)" if error and error.errno == errno.ENOSPC else ""
-        raise SystemExit(f"train.py: error: step {run.step}: {run.ckpt_path}: {why}{full}; the previous "
+        raise SystemExit(f"train.py: error: step {run.step}: {path}: {why}{full}; the previous "
                          f"checkpoint, if any, is intact, and --init_from=auto resumes from it")
 
 
@@ -329,22 +360,26 @@ def keep_weights(run):
 def configure(given, cfg, worker):
     """Everything about the input that can be wrong, checked before any work: the checkpoint to start from, the
     model (the checkpoint's, when there is one: the model keys given must agree with it), the batch layout.
-    Returns (cfg, model_config, checkpoint or None, micro-steps per step)."""
-    path = checkpoint_path(cfg.out_dir)
-    ckpt = load_resume(path, cfg.init_from, cfg.eval_only)
+    Returns (cfg, model_config, the checkpoint and its path or None, micro-steps per step)."""
+    ckpt, path = load_resume(cfg.out_dir, cfg.init_from, cfg.eval_only)
     if ckpt is None:
         model_config = GPTConfig(**{k: v for k, v in {**ALL_DEFAULTS, **given}.items() if k in MODEL_KEYS})
     else:
         model_config = resumed_model_config(ckpt, given, path)
         if "doc_mask" not in given:  # resume, eval_only: as trained, unless overridden
             cfg = replace(cfg, doc_mask=trained_doc_mask(ckpt))
-    return cfg, model_config, ckpt, cfg.micro_steps(model_config, worker.world_size)
+    accum = cfg.micro_steps(model_config, worker.world_size)
+    if path not in (None, checkpoint_path(cfg.out_dir)):  # a branch (Hagele et al., 2024): exact, or refused
+        error = cfg.branch_error(ckpt["config"], ckpt["step"])
+        if error:
+            raise ValueError(f"{path}: cannot branch from it: {error}")
+    return cfg, model_config, ckpt, path, accum
 
 
 def run_training(given, cfg, worker, stop):
     """Configure, build, restore, then the loop (or one evaluation): (the last loss, what stopped it early)."""
     try:
-        cfg, model_config, ckpt, accum = configure(given, cfg, worker)
+        cfg, model_config, ckpt, source, accum = configure(given, cfg, worker)
         if ckpt is not None and not cfg.eval_only and ckpt["step"] >= cfg.max_steps:
             worker.say(f"{checkpoint_path(cfg.out_dir)}: this run is finished (step {ckpt['step']} of "
                        f"max_steps={cfg.max_steps}); nothing to do")
@@ -353,7 +388,7 @@ def run_training(given, cfg, worker, stop):
     except (ValueError, FileNotFoundError) as e:
         sys.exit(f"train.py: error: {e}")
     if ckpt is not None:
-        restore(run, ckpt)
+        restore(run, ckpt, source)
     if cfg.eval_only:
         val_loss = evaluate(run, None)
         worker.say(f"step {run.step}: val loss {val_loss:.4f} on the whole validation set")
