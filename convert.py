@@ -389,6 +389,7 @@ def final_val_loss(path, step):
 def to_hf(src, folder, enc, push=None, token=None, cache_dir=CACHE_DIR, base_url=HF_URL):
     """Write the Hugging Face model folder of SRC (hf.export) with tokenizer enc; with push, then upload it to that
     Hub repository with token (hf.push). Returns the model card's facts."""
+    hf.check_target(folder)  # before the checkpoint is read
     result, info = source(src, cache_dir, base_url)
     path = info["path"]
     if os.path.abspath(folder) == os.path.abspath(path):

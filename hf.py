@@ -68,6 +68,7 @@ def export(ckpt, folder, enc, card):
     safetensors = optional("safetensors.torch")
     optional("tokenizers")
     config = GPTConfig.from_dict(ckpt["model_config"], "model_config")
+    check_target(folder)
     if enc.n_vocab > config.vocab_size:
         raise ValueError(f"--tokenizer has {enc.n_vocab} tokens, the model only vocab_size={config.vocab_size}")
     tmp = f"{os.path.abspath(folder)}.tmp{os.getpid()}"
@@ -77,6 +78,9 @@ def export(ckpt, folder, enc, card):
         extra = {k: ckpt[k] for k in ("step", "config", "source") if k in ckpt}
         safetensors.save_file(own_storage(ckpt["model"]), os.path.join(tmp, WEIGHTS),
                               metadata={"format": "pt", "exoformer": json.dumps(extra)})
+        umask = os.umask(0o22)
+        os.umask(umask)
+        os.chmod(os.path.join(tmp, WEIGHTS), 0o666 & ~umask)  # safetensors writes 0600: readable as the others
         write_json(os.path.join(tmp, CONFIG), {"architectures": ["ExoFormerForCausalLM"], "model_type": "exoformer",
                                                "auto_map": MODEL_CLASSES, **asdict(config),
                                                "tie_word_embeddings": False, "bos_token_id": enc.eot_token,
@@ -111,13 +115,18 @@ def write_json(path, obj):
         f.write(json.dumps(obj, indent=2) + "\n")
 
 
+def check_target(folder):
+    """A one-line error for a --to_hf target that holds something other than an earlier export (or nothing)."""
+    if os.path.exists(folder) and (not os.path.isdir(folder) or (os.listdir(folder) and not is_folder(folder))):
+        raise ValueError(f"--to_hf {folder}: exists and is not a folder written by --to_hf; choose another")
+
+
 def replace_folder(tmp, folder):
     """tmp renamed to folder; an earlier folder there is moved aside first and removed after, so that folder is
     at every moment either the old one or the new one, whole."""
     old = f"{os.path.abspath(folder)}.old{os.getpid()}"
+    check_target(folder)
     if os.path.exists(folder):
-        if not os.path.isdir(folder) or (os.listdir(folder) and not os.path.isfile(os.path.join(folder, CONFIG))):
-            raise ValueError(f"--to_hf {folder}: exists and is not a folder written by --to_hf; choose another")
         os.replace(folder, old)
     os.makedirs(os.path.dirname(os.path.abspath(folder)), exist_ok=True)
     os.replace(tmp, folder)

@@ -296,7 +296,7 @@ def test_a_hub_repository_without_a_folder_is_one_line(server, tmp_path, monkeyp
 # ----------------------------------------------------------------------------- errors, and the packages missing
 
 @needs_hf
-def test_export_errors_are_one_line_and_write_nothing(tmp_path, enc_file, monkeypatch):
+def test_export_errors_are_one_line_and_write_nothing(tmp_path, enc_file, monkeypatch, capsys):
     src = save(tiny("gated", vocab_size=200), tmp_path / "small.pt")  # fewer rows than the tokenizer's 291 ids
     with pytest.raises(SystemExit, match=r"^convert.py: error: --tokenizer has 291 tokens, the model only "
                                          r"vocab_size=200$"):
@@ -305,9 +305,10 @@ def test_export_errors_are_one_line_and_write_nothing(tmp_path, enc_file, monkey
     (tmp_path / "notes").mkdir()
     (tmp_path / "notes" / "mine.txt").write_text("x")
     src = save(tiny("gated"), tmp_path / "ok.pt")
+    capsys.readouterr()
     with pytest.raises(SystemExit, match="exists and is not a folder written by --to_hf"):
         convert.main([src, "--to_hf", str(tmp_path / "notes"), "--tokenizer", str(enc_file)])
-    assert os.listdir(tmp_path / "notes") == ["mine.txt"]
+    assert os.listdir(tmp_path / "notes") == ["mine.txt"] and capsys.readouterr().out == ""  # before any reading
     for argv, message in [([src, "--push", "a/b"], "--push and --tokenizer go with --to_hf"),
                           ([src, "--to_hf", "x", "--push", "ab"], "--push ab: expected a Hub repository OWNER/NAME")]:
         with pytest.raises(SystemExit):
@@ -315,8 +316,11 @@ def test_export_errors_are_one_line_and_write_nothing(tmp_path, enc_file, monkey
     convert.main([src, "--to_hf", str(tmp_path / "hf"), "--tokenizer", str(enc_file)])
     convert.main([src, "--to_hf", str(tmp_path / "hf"), "--tokenizer", str(enc_file)])  # replaced whole
     assert sorted(os.listdir(tmp_path)) == ["hf", "notes", "ok.pt", "small.pt"]
+    assert all(os.stat(tmp_path / "hf" / n).st_mode & 0o777 == os.stat(tmp_path / "hf" / "config.json").st_mode
+               & 0o777 for n in os.listdir(tmp_path / "hf"))  # the weights as readable as the other files
 
 
+@needs_hf  # each one hidden, the others there
 @pytest.mark.parametrize("hidden", ["safetensors", "tokenizers", "huggingface_hub"])
 def test_without_the_packages_each_command_says_what_to_install(hidden, tmp_path, enc_file, monkeypatch):
     src = save(tiny("gated"), tmp_path / "ckpt.pt")
@@ -471,6 +475,7 @@ def test_push_uploads_every_file_whole_in_one_revision(hub, tmp_path, enc_file, 
     assert load_model("me/tiny")[1]["step"] == 7  # and back from the Hub
 
 
+@needs_hf
 def test_push_refuses_an_incomplete_folder(tmp_path):
     (tmp_path / "hf").mkdir()
     (tmp_path / "hf" / "config.json").write_text("{}")
