@@ -478,7 +478,7 @@ def markdown(rep):
 
 def budget_note(label, e, rep):
     """The line under the table that says which seeds a variant's budget ratio uses, and its target's."""
-    if len(e["budgets"]) < 2:
+    if len(e["budgets"]) < 2 or e["reference"]:  # the reference has no budget ratio
         return None
     seeds = lambda xs: ", ".join(map(str, xs)) or "none"
     left = "; ".join(f"seeds {seeds(b['seeds_left_out'])} of the {b['max_steps']}-step runs" for b in
