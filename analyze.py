@@ -540,7 +540,8 @@ def plot(results, out):
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description="The paper's analyses (Figures 2-8, §4.5) for checkpoints, side by side")
-    p.add_argument("ckpts", nargs="+", help="checkpoints written by train.py or convert.py")
+    p.add_argument("ckpts", nargs="+", help="checkpoints written by train.py or convert.py, model folders "
+                                             "(convert.py --to_hf) or Hub repositories OWNER/NAME holding one")
     p.add_argument("--data_dir", default="data/finewebedu10B", help="directory of the *_val_*.bin shard(s)")
     p.add_argument("--tokens", type=int, default=65536, help="validation tokens analysed (the first ones)")
     p.add_argument("--batch_size", type=int, default=8, help="windows of block_size tokens per forward pass")
@@ -567,7 +568,7 @@ def main(argv=None):
             _, config = check_checkpoint(path, mmap=True)  # no model built, no weight read: analyze loads it
             windows(args.data_dir, args.tokens, args.batch_size, config)
         os.makedirs(args.out, exist_ok=True)
-    except (ValueError, OSError) as e:
+    except (ValueError, OSError, ImportError) as e:  # ImportError: the Hugging Face format's packages
         raise SystemExit(f"analyze.py: error: {e}")
     results = {}
     for path in args.ckpts:

@@ -10,7 +10,8 @@ checkpoint can never run code:
     config         train.py's whole configuration (absent from converted authors' models)
     source         convert.py's note of where the weights came from (weights-only files only)
 and, for resuming (train.py's rolling <out_dir>/ckpt.pt only): optimizers, loader, rng, pending_log.
-A weights-only checkpoint (convert.py's exports, train.py's keep_every history) holds the first five.
+A weights-only checkpoint (convert.py's exports, train.py's keep_every history) holds the first five. A model
+folder in the Hugging Face format (hf.py, convert.py --to_hf) reads as one.
 """
 import contextlib
 import json
@@ -35,6 +36,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
+import hf
 from data import atomic_write
 from model import GPT, GPTConfig
 
@@ -71,11 +73,31 @@ def weights_only(ckpt):
 
 
 def load_checkpoint(path, keys=("model", "model_config"), mmap=False):
-    """The dict saved by train.py (or convert.py) on the CPU, read with torch.load(weights_only=True).
-    keys: what it must hold. mmap: map the tensors instead of reading them (those never used are never read).
-    A sharded checkpoint (a directory: load_sharded) is read whole."""
-    if os.path.isdir(path):
+    """The dict saved by train.py (or convert.py) on the CPU, read with torch.load(weights_only=True); or that of
+    a model folder in the Hugging Face format (hf.py: safetensors, no pickle), or of a Hub repository OWNER/NAME
+    that holds one (downloaded once); or a sharded checkpoint (a DCP directory: load_sharded), read whole.
+    keys: what it must hold. mmap: map the tensors instead of reading them (those never used are never read;
+    safetensors maps them anyway)."""
+    if hf.is_folder(path) or (hf.is_repo_name(path) and not os.path.exists(path)):
+        ckpt = hf.read_folder(path if os.path.isdir(path) else hf.hub_folder(path))
+    elif is_sharded(path):
         return load_sharded(path, keys)
+    else:
+        ckpt = read_torch(path, mmap)
+    missing = [k for k in keys if not isinstance(ckpt, dict) or k not in ckpt]
+    if missing:
+        raise ValueError(f"{path}: no {', '.join(missing)} in this checkpoint")
+    return ckpt
+
+
+def is_sharded(path):
+    """Whether path is to be read as a sharded checkpoint: a directory that is not a Hugging Face folder
+    (load_sharded says so in one line when it holds no DCP checkpoint)."""
+    return os.path.isdir(path) and not hf.is_folder(path)
+
+
+def read_torch(path, mmap=False):
+    """A torch.save'd file, read with torch.load(weights_only=True), or a one-line error."""
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{path}: no checkpoint there")
     try:
@@ -83,9 +105,6 @@ def load_checkpoint(path, keys=("model", "model_config"), mmap=False):
     except Exception as e:  # torch raises UnpicklingError for forbidden globals, others for corrupt files
         first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ValueError(f"{path}: not loadable with torch.load(weights_only=True) ({first_line})") from None
-    missing = [k for k in keys if not isinstance(ckpt, dict) or k not in ckpt]
-    if missing:
-        raise ValueError(f"{path}: no {', '.join(missing)} in this checkpoint")
     return ckpt
 
 

@@ -8,16 +8,20 @@ Turn a checkpoint into a weights-only checkpoint of this code: `model` (fp32 sta
     python convert.py path/to/ckpt_step:38146.pt --out ...                     # a local file
     python convert.py out/ckpt.pt --out out/export/ckpt.pt                     # ours: drop the optimiser state
     python convert.py out/ckpt.dcp --out out/export/ckpt.pt                    # ours, sharded (train.py --fsdp=True)
+    python convert.py out/ckpt.pt --to_hf out/hf [--push USER/NAME]            # a transformers folder (hf.py)
+    python convert.py out/hf --out out/back/ckpt.pt                            # such a folder, or a Hub repo of one
 
 The authors' format (their train.py) holds `model` (their state dict: bf16 Linear/Embedding weights,
 keys maybe prefixed `_orig_mod.`) and `model_args` (their ModelConfig). Five versions of their model
 file (oldmodels/model1..4.py, model.py) wrote such files, with different names for the same tensors;
 their_config reads the variant from the flags and the tensors present, from_authors maps the names.
-Everything is read with torch.load(weights_only=True): a checkpoint can never run code.
+Everything is read with torch.load(weights_only=True) or safetensors: a checkpoint can never run code.
+--to_hf writes the Hugging Face folder of any of these (hf.export), --push uploads it (hf.push).
 
 The Hub is read through its public JSON API (httpclient.get_json): GET /api/models?author=USER lists a user's
-repositories, GET /api/models/OWNER/NAME?blobs=true a repository's files and their sizes, and files come from
-/OWNER/NAME/resolve/main/FILENAME (httpclient.download_file).
+repositories, GET /api/models/OWNER/NAME?blobs=true a repository's files and their sizes (hf.hub_files), and files
+come from /OWNER/NAME/resolve/main/FILENAME (httpclient.download_file). A repository that holds a model folder
+(config.json and model.safetensors) is read as one (hf.hub_folder).
 """
 import argparse
 import glob
@@ -29,10 +33,13 @@ from dataclasses import asdict
 
 import torch
 
+import hf
 from configurator import load_config
 from httpclient import ByteBar, DownloadError, download_file, get_json
-from checkpoint import check_state, export_sharded, load_checkpoint, save_checkpoint
+from checkpoint import check_state, export_sharded, is_sharded, load_checkpoint, save_checkpoint
+from data import load_encoding
 from model import GRANULARITY_SHAPES, PROJECTIONS, GPTConfig
+from runlog import log_path, read_log, val_curve
 
 HF_URL = "https://huggingface.co"
 CACHE_DIR = "data/authors"
@@ -223,17 +230,6 @@ def pick_checkpoint(repo, names):
     return files[0]
 
 
-def hub_files(repo, base_url=HF_URL, cache_dir=CACHE_DIR):
-    """{filename: size in bytes, None if not said} of a Hub model repository. GET /api/models/REPO lists the files
-    (siblings[].rfilename); blobs=true adds each one's size, so one request per repository tells both."""
-    url = f"{base_url.rstrip('/')}/api/models/{repo}"
-    info = get_json(url, {"blobs": "true"}, OFFLINE.format(repo, os.path.join(cache_dir, repo)))
-    siblings = info.get("siblings") if isinstance(info, dict) else None
-    if not isinstance(siblings, list) or not all(isinstance(f, dict) and "rfilename" in f for f in siblings):
-        raise ValueError(f"{url}: expected a JSON object whose 'siblings' are objects with an 'rfilename'")
-    return {f["rfilename"]: f.get("size") for f in siblings}
-
-
 def hub_repos(user, base_url=HF_URL):
     """The model repositories OWNER/NAME of a Hub user: GET /api/models?author=USER (one page, sorted)."""
     url = f"{base_url.rstrip('/')}/api/models?author={urllib.parse.quote(user)}"
@@ -273,7 +269,7 @@ def list_user(user, base_url=HF_URL, cache_dir=CACHE_DIR):
     and its variant where the name or a downloaded file tells it."""
     found = []
     for repo in hub_repos(user, base_url):
-        files = hub_files(repo, base_url, cache_dir)
+        files = hf.hub_files(repo, base_url, OFFLINE.format(repo, os.path.join(cache_dir, repo)))
         ckpts = checkpoint_files(files)
         variant, how = variant_of(repo, cache_dir)
         print(f"{repo}: {variant + ', ' + how if variant else 'variant ?'}")
@@ -290,18 +286,20 @@ def list_user(user, base_url=HF_URL, cache_dir=CACHE_DIR):
 
 
 def fetch(src, cache_dir=CACHE_DIR, base_url=HF_URL):
-    """(local path, label) of SRC: the file itself, or the Hub file OWNER/NAME[/FILENAME] downloaded once into
-    cache_dir/OWNER/NAME/FILENAME (resumable, size-checked, renamed when complete). For OWNER/NAME: a checkpoint
-    of it downloaded before, else the one the Hub's listing offers first (checkpoint_files)."""
-    if os.path.isfile(src):
+    """(local path, label) of SRC: the file or model folder itself, or the Hub file OWNER/NAME[/FILENAME] downloaded
+    once into cache_dir/OWNER/NAME/FILENAME (resumable, size-checked, renamed when complete). For OWNER/NAME: a
+    checkpoint of it downloaded before, else the model folder it holds (hf.hub_folder), else the checkpoint the
+    Hub's listing offers first (checkpoint_files)."""
+    if os.path.isfile(src) or hf.is_folder(src) or is_sharded(src):
         return src, src
     parts = src.split("/")
     if len(parts) < 2 or "" in parts or parts[0] in (".", "..") or (len(parts) == 2 and src.endswith(".pt")):
         raise FileNotFoundError(f"{src}: no such file, and not a Hugging Face repository OWNER/NAME[/FILENAME]")
     repo, filename = "/".join(parts[:2]), "/".join(parts[2:])
     if not filename:
-        cached = cached_checkpoint(repo, cache_dir)
-        filename = os.path.basename(cached) if cached else pick_checkpoint(repo, hub_files(repo, base_url, cache_dir))
+        folder, filename = repo_content(repo, cache_dir, base_url)
+        if folder:
+            return folder, repo
     dest = os.path.join(cache_dir, repo, filename)
     if zipfile.is_zipfile(dest):  # False for a missing file too
         print(f"{dest}: downloaded before, not fetched again")
@@ -316,17 +314,24 @@ def fetch(src, cache_dir=CACHE_DIR, base_url=HF_URL):
     return dest, f"{repo}/{filename}"
 
 
-def convert(src, out, cache_dir=CACHE_DIR, base_url=HF_URL):
-    """Write the weights-only checkpoint of SRC (see the module docstring) to out; return its summary."""
-    if os.path.isdir(src):  # train.py --fsdp=True's ckpt.dcp: streamed a tensor at a time, never whole in memory
-        state = export_sharded(src, out, f"weights-only export of {src} by convert.py")
-        config = GPTConfig.from_dict(state["model_config"])
-        print(f"{src}: sharded checkpoint of this code: {config.name}, {config.n_layer} layers, C={config.n_embd}, "
-              f"step {state['step']}; wrote {out}, {os.path.getsize(out) / 1e6:,.1f} MB")
-        return {"config": config, "step": state["step"], "bytes_out": os.path.getsize(out)}
+def repo_content(repo, cache_dir, base_url):
+    """(local folder, None) for a repository holding a model folder, else (None, FILENAME of its checkpoint): one
+    downloaded before into cache_dir, else the best the Hub lists."""
+    cached = cached_checkpoint(repo, cache_dir)
+    if cached:
+        return None, os.path.basename(cached)
+    if hf.is_folder(os.path.join(hf.HUB_CACHE, repo)):
+        return hf.hub_folder(repo, base_url), None
+    files = hf.hub_files(repo, base_url, OFFLINE.format(repo, os.path.join(cache_dir, repo)))
+    if hf.WEIGHTS in files and hf.CONFIG in files:
+        return hf.hub_folder(repo, base_url, files), None
+    return None, pick_checkpoint(repo, files)
+
+
+def source(src, cache_dir, base_url):
+    """(the weights-only checkpoint of SRC, {path, label, params, tokens: the authors' count, if any}), after one
+    line saying what it is. Our checkpoints, model folders included, and the authors'."""
     path, label = fetch(src, cache_dir, base_url)
-    if os.path.abspath(out) == os.path.abspath(path):
-        raise ValueError(f"--out {out}: that is the checkpoint being converted; write to another file")
     ckpt = load_checkpoint(path, keys=("model",), mmap=True)  # the optimiser state is never read
     if "model_config" in ckpt:
         config, sd = from_ours(ckpt, path)
@@ -347,34 +352,110 @@ def convert(src, out, cache_dir=CACHE_DIR, base_url=HF_URL):
     print(f"{label}: {kind}: {config.name} ({where}), {config.n_layer} layers, C={config.n_embd}, "
           f"vocab {config.vocab_size}, step {step}")
     result = {"model": sd, "model_config": asdict(config), "step": step, "source": note, **extra}
+    return result, {"path": path, "label": label, "params": n_params, "tokens": ckpt.get("tokens_processed")}
+
+
+def convert(src, out, cache_dir=CACHE_DIR, base_url=HF_URL):
+    """Write the weights-only checkpoint of SRC (see the module docstring) to out; return its summary."""
+    if is_sharded(src):  # train.py --fsdp=True's ckpt.dcp: streamed a tensor at a time, never whole in memory
+        state = export_sharded(src, out, f"weights-only export of {src} by convert.py")
+        config = GPTConfig.from_dict(state["model_config"])
+        print(f"{src}: sharded checkpoint of this code: {config.name}, {config.n_layer} layers, C={config.n_embd}, "
+              f"step {state['step']}; wrote {out}, {os.path.getsize(out) / 1e6:,.1f} MB")
+        return {"config": config, "step": state["step"], "bytes_out": os.path.getsize(out)}
+    result, info = source(src, cache_dir, base_url)
+    path = info["path"]
+    if os.path.abspath(out) == os.path.abspath(path):
+        raise ValueError(f"--out {out}: that is the checkpoint being converted; write to another file")
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     save_checkpoint(out, result)
-    before, after = os.path.getsize(path), os.path.getsize(out)
-    print(f"wrote {out}: {n_params:,} parameters in fp32, {after / 1e6:,.1f} MB (the input: {before / 1e6:,.1f} MB)")
-    return {"config": config, "step": step, "params": n_params, "bytes_in": before, "bytes_out": after}
+    before, after = disk_size(path), os.path.getsize(out)
+    print(f"wrote {out}: {info['params']:,} parameters in fp32, {after / 1e6:,.1f} MB "
+          f"(the input: {before / 1e6:,.1f} MB)")
+    return {"config": GPTConfig(**result["model_config"]), "step": result["step"], "params": info["params"],
+            "bytes_in": before, "bytes_out": after}
+
+
+def disk_size(path):
+    """Bytes of a file, or of the files of a folder."""
+    if not os.path.isdir(path):
+        return os.path.getsize(path)
+    return sum(os.path.getsize(os.path.join(path, n)) for n in os.listdir(path))
+
+
+def final_val_loss(path, step):
+    """The last validation loss at or before step in the log.jsonl beside a checkpoint (train.py's run folder),
+    or None without one."""
+    run_dir = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path) or not os.path.isfile(log_path(run_dir)):
+        return None
+    curve = val_curve(read_log(run_dir), step)
+    return curve[-1][1] if curve else None
+
+
+def to_hf(src, folder, enc, push=None, token=None, cache_dir=CACHE_DIR, base_url=HF_URL):
+    """Write the Hugging Face model folder of SRC (hf.export) with tokenizer enc; with push, then upload it to that
+    Hub repository with token (hf.push). Returns the model card's facts."""
+    hf.check_target(folder)  # before the checkpoint is read
+    result, info = source(src, cache_dir, base_url)
+    path = info["path"]
+    if os.path.abspath(folder) == os.path.abspath(path):
+        raise ValueError(f"--to_hf {folder}: that is the folder being converted; write to another one")
+    step, train = result["step"], result.get("config") or {}
+    tokens = info["tokens"] or (step * train["total_batch_size"] if step is not None and "total_batch_size" in train
+                                else None)
+    card = {"repo": push or folder, "params": info["params"], "step": step, "tokens": tokens,
+            "val_loss": final_val_loss(path, step), "source": result["source"]}
+    hf.export(result, folder, enc, card)
+    print(f"wrote {folder}: {', '.join(sorted(os.listdir(folder)))}")
+    if push:
+        print(f"pushed {folder} to {push}: {hf.push(folder, push, token, base_url)}")
+    return card
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description="Write a weights-only checkpoint of this code, or a Hugging Face model "
+                                            "folder, from one of the authors' released checkpoints or from one of "
+                                            "ours; or list a Hub user's checkpoints.")
+    p.add_argument("src", nargs="?", help="a local checkpoint or model folder, or a Hugging Face repository "
+                                          "OWNER/NAME[/FILENAME] (without FILENAME: the model folder it holds, "
+                                          "else final_model.pt, checkpoint.pt or the highest ckpt_step:N.pt)")
+    p.add_argument("--out", help="the checkpoint to write, e.g. out/authors_baseline/ckpt.pt")
+    p.add_argument("--to_hf", metavar="DIR", help="write a Hugging Face model folder instead (safetensors, "
+                                                  "config.json, the modeling code, the tokenizer, a model card)")
+    p.add_argument("--push", metavar="REPO", help="--to_hf: then upload the folder to the Hub repository OWNER/NAME "
+                                                  "(a token: HF_TOKEN or `hf auth login`)")
+    p.add_argument("--tokenizer", help="--to_hf: the model's .tiktoken ranks file (default: GPT-2 from tiktoken)")
+    p.add_argument("--list", metavar="USER", help="list USER's Hub repositories, their checkpoints and variants")
+    p.add_argument("--cache_dir", default=CACHE_DIR, help="where downloads are kept: CACHE_DIR/OWNER/NAME/FILENAME")
+    p.add_argument("--base_url", default=None, help=f"the Hugging Face Hub, or a mirror with its URL layout "
+                                                    f"(default: HF_ENDPOINT, else {HF_URL})")
+    args = p.parse_args(argv)
+    if args.list is not None and (args.src or args.out or args.to_hf):
+        p.error("--list USER takes no SRC, --out or --to_hf")
+    if args.list is None and not (args.src and (args.out is None) != (args.to_hf is None)):
+        p.error("expected SRC and one of --out PATH and --to_hf DIR (or --list USER)")
+    if (args.push or args.tokenizer) and not args.to_hf:
+        p.error("--push and --tokenizer go with --to_hf DIR")
+    if args.push and not hf.is_repo_name(args.push):
+        p.error(f"--push {args.push}: expected a Hub repository OWNER/NAME")
+    args.base_url = hf.hub_url(args.base_url)
+    return args
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description="Write a weights-only checkpoint of this code from one of the "
-                                            "authors' released checkpoints or from one of ours; or list a Hub "
-                                            "user's checkpoints.")
-    p.add_argument("src", nargs="?", help="a local checkpoint, or a Hugging Face repository OWNER/NAME[/FILENAME] "
-                                          "(without FILENAME: final_model.pt, checkpoint.pt or the highest "
-                                          "ckpt_step:N.pt it has)")
-    p.add_argument("--out", help="the checkpoint to write, e.g. out/authors_baseline/ckpt.pt")
-    p.add_argument("--list", metavar="USER", help="list USER's Hub repositories, their checkpoints and variants")
-    p.add_argument("--cache_dir", default=CACHE_DIR, help="where downloads are kept: CACHE_DIR/OWNER/NAME/FILENAME")
-    p.add_argument("--base_url", default=HF_URL, help="the Hugging Face Hub, or a mirror with its URL layout")
-    args = p.parse_args(argv)
-    if args.list is not None and (args.src or args.out):
-        p.error("--list USER takes no SRC and no --out")
-    if args.list is None and not (args.src and args.out):
-        p.error("expected SRC and --out PATH (or --list USER)")
+    args = parse_args(argv)
     try:
         if args.list is not None:
             return list_user(args.list, args.base_url, args.cache_dir)
-        return convert(args.src, args.out, args.cache_dir, args.base_url)
-    except (ValueError, OSError, DownloadError) as e:
+        if args.out:
+            return convert(args.src, args.out, args.cache_dir, args.base_url)
+        for module in ("safetensors.torch", "tokenizers"):  # what the folder needs, before anything is read
+            hf.optional(module)
+        token = hf.hub_token() if args.push else None
+        return to_hf(args.src, args.to_hf, load_encoding(args.tokenizer), args.push, token, args.cache_dir,
+                     args.base_url)
+    except (ValueError, OSError, DownloadError, ImportError) as e:
         raise SystemExit(f"convert.py: error: {e}")
     except KeyboardInterrupt:
         raise SystemExit("convert.py: interrupted; the same command resumes the download, nothing else was written")

@@ -460,7 +460,8 @@ def load_split(task, which, data_dir="data/eval", base_url=BASE_URL, progress=Tr
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description="5-shot multiple-choice evaluation, lm-evaluation-harness compatible; "
                                             "or any harness task through lm-eval itself (--harness)")
-    p.add_argument("ckpt", help="checkpoint written by train.py")
+    p.add_argument("ckpt", help="checkpoint written by train.py or convert.py, a model folder (convert.py "
+                                  "--to_hf) or a Hub repository OWNER/NAME holding one")
     p.add_argument("--tasks", default=None, help="comma-separated subset of: " + ", ".join(TASKS) + " (default: all)")
     p.add_argument("--harness", metavar="TASKS", default=None,
                    help=f"run these lm-evaluation-harness tasks (comma-separated) with lm-eval itself ({HARNESS_PIP})")
@@ -538,7 +539,7 @@ def run_harness(args):
             raise ValueError(f"--harness: unknown task(s) {'; '.join(f'{t} (close: {close(t)})' for t in unknown)}: "
                              f"not among the harness's tasks{where}")
         lm = harness_class()(args.ckpt, args.tokenizer, args.batch_size, args.device, args.dtype, args.drop_anchor)
-    except (ValueError, OSError) as e:
+    except (ValueError, OSError, ImportError) as e:  # ImportError: the Hugging Face format's packages
         raise SystemExit(f"eval.py: error: {e}")
     try:
         results = lm_eval.simple_evaluate(model=lm, tasks=args.harness, num_fewshot=args.shots, limit=args.limit,
@@ -582,7 +583,7 @@ def main(argv=None):
         model, _ = load_model(args.ckpt, device=runtime.device)
         check_options(model.config, enc, args.ckpt, args.drop_anchor)
         writable(args.out)
-    except (ValueError, OSError) as e:
+    except (ValueError, OSError, ImportError) as e:
         raise SystemExit(f"eval.py: error: {e}")
     model.drop_anchor = args.drop_anchor
     try:

@@ -19,7 +19,8 @@ from model import generate
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description="Sample text from a checkpoint.")
-    p.add_argument("ckpt", help="checkpoint written by train.py or convert.py")
+    p.add_argument("ckpt", help="checkpoint written by train.py or convert.py, a model folder (convert.py "
+                                  "--to_hf) or a Hub repository OWNER/NAME holding one")
     p.add_argument("--prompt", default="", help="text to continue (default: a new document)")
     p.add_argument("--num_samples", type=int, default=3, help="samples, generated together in one batch")
     p.add_argument("--max_new_tokens", type=int, default=200, help="tokens generated per sample")
@@ -45,7 +46,7 @@ def main(argv=None):
     try:  # cheap checks first: tokenizer, checkpoint
         enc = load_encoding(args.tokenizer)
         model, ckpt = load_model(args.ckpt, runtime.device)
-    except (ValueError, OSError) as e:
+    except (ValueError, OSError, ImportError) as e:  # ImportError: the Hugging Face format's packages
         raise SystemExit(f"sample.py: error: {e}")
     if enc.n_vocab > model.config.vocab_size:
         raise SystemExit(f"sample.py: error: --tokenizer has {enc.n_vocab} tokens, {args.ckpt} only "

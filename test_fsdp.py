@@ -365,7 +365,8 @@ def _export_worker(rank, world, port, out, dtype):
     """A sharded model's own logits and its weights-only export (live), and a sharded checkpoint of it."""
     worker = _join(rank, world, port, dtype)
     torch.manual_seed(0)
-    model = parallel.fully_shard_model(randomize(GPT(variant("dyn_exo"))), worker)
+    # vocabulary 320: more rows than the test tokenizer's 291 ids, which its Hugging Face folder carries
+    model = parallel.fully_shard_model(randomize(GPT(variant("dyn_exo", vocab_size=320))), worker)
     gather, gathered, alive = DTensor.full_tensor, [], []  # weak references to every gathered tensor; how many
     #                                                         of them were alive at each gathering
 
@@ -388,16 +389,17 @@ def _export_worker(rank, world, port, out, dtype):
     dist.destroy_process_group()
 
 
-def test_the_export_of_a_sharded_model_equals_its_own_logits(tmp_path):
-    """The weights-only file written from the shards (every tensor gathered alone, never the whole model), and
-    the one convert.py writes from the sharded checkpoint, give the sharded model's logits; so does the sharded
-    checkpoint itself, which every tool reads."""
+def test_the_export_of_a_sharded_model_equals_its_own_logits(tmp_path, enc_file):
+    """The weights-only file written from the shards (every tensor gathered alone, never the whole model), the
+    one convert.py writes from the sharded checkpoint, and its Hugging Face folder (--to_hf) give the sharded
+    model's logits; so does the sharded checkpoint itself, which every tool reads."""
     mp.spawn(_export_worker, args=(2, free_port(), str(tmp_path), torch.float32), nprocs=2)
     result = torch.load(tmp_path / "r", weights_only=True)
     assert result["dtypes"] == {torch.float32} and len(result["alive"]) > 10 and set(result["alive"]) == {0}
     convert.convert(str(tmp_path / "ckpt.dcp"), str(tmp_path / "converted.pt"))
-    idx = tokens(variant("dyn_exo"))
-    for path in ("export.pt", "converted.pt", "ckpt.dcp"):
+    convert.main([str(tmp_path / "ckpt.dcp"), "--to_hf", str(tmp_path / "hf"), "--tokenizer", str(enc_file)])
+    idx = tokens(variant("dyn_exo", vocab_size=320))
+    for path in ("export.pt", "converted.pt", "ckpt.dcp", "hf"):
         model, ckpt = load_model(str(tmp_path / path))
         assert ckpt["step"] == 7 and ckpt["config"] == {"seed": 0}
         with torch.no_grad():

@@ -719,8 +719,8 @@ def test_every_relative_link_of_the_docs_resolves():
 def test_a_forked_variant_passes_the_generic_tests(tmp_path):
     """A fork that adds a granularity (one line in GRANULARITY_SHAPES) and a config file using it, with a
     training key in it too, runs the generic tests on it and passes them; README.md needs no change."""
-    for name in ("model.py", "checkpoint.py", "configurator.py", "data.py", "optim.py", "parallel.py", "runlog.py",
-                 "train.py",
+    for name in ("model.py", "checkpoint.py", "hf.py", "configurator.py", "data.py", "optim.py", "parallel.py",
+                 "runlog.py", "train.py",
                  "conftest.py", "pytest.ini",
                  "test_model.py", "README.md"):
         shutil.copy(os.path.join(ROOT, name), tmp_path / name)
