@@ -27,7 +27,7 @@ import parallel
 import train
 from checkpoint import Runtime, load_checkpoint, load_model, resume_path, sharded_state
 from model import GPT, GPTConfig
-from test_faults import ENV, TORCHRUN, finish, run, start, wait_for_step, workers
+from test_faults import TORCHRUN, finish, run, start, wait_for_step, workers
 from test_model import randomize, tokens, variant
 from test_train import ROOT, SMALL, data_dir, free_port, read_log  # noqa: F401  (data_dir: the toy shards fixture)
 from train import TrainConfig
