@@ -125,24 +125,31 @@ def test_bf16_autocast_loss_and_gradients_against_fp32(name, fresh_dynamo):
         assert torch.nn.functional.cosine_similarity(g.flatten(), r.flatten(), dim=0) > BF16_COSINE, n
 
 
+def straight_and_stopped(doc_data_dir, tmp_path, banner, ckpt, *extra):
+    """One GPU under torchrun, 20 steps: the run straight through (its start-up line holding banner) in
+    tmp_path/straight, and the same command stopped by SIGTERM at step 5 (exit status 75, ckpt written) and run
+    again, which resumes it, in tmp_path/stopped."""
+    command = lambda out: [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
+                           "train.py", *SMALL, *DOCS, f"--data_dir={doc_data_dir}", "--max_steps=20",
+                           f"--out_dir={out}", "--init_from=auto", *extra]
+    code, stdout, stderr = run(command(tmp_path / "straight"))
+    assert code == 0 and banner in stdout, stderr[-3000:]
+    stopped = start(command(tmp_path / "stopped"))
+    wait_for_step(str(tmp_path / "stopped"), 5, stopped)
+    stopped.send_signal(signal.SIGTERM)
+    _, _, stderr = finish(stopped)
+    assert "(exit status 75)" in stderr and (tmp_path / "stopped" / ckpt).exists(), stderr[-3000:]
+    code, stdout, stderr = run(command(tmp_path / "stopped"))
+    assert code == 0 and "resuming from" in stdout, stderr[-3000:]
+
+
 def test_torchrun_nccl_stopped_and_resumed_equals_an_unbroken_run(doc_data_dir, tmp_path):
     """One GPU under torchrun: an NCCL process group and DDP, compiled, bf16, FlexAttention. SIGTERM to torchrun (as
     from a scheduler) stops it after a step with a checkpoint; the same command continues. GPU kernels with atomic
     adds (compiled backward) are not bitwise reproducible, so the end is compared within 1e-3 (losses) and 1e-4
     (weights, states): a resume that lost state or data position would differ by a step's update (~3e-4) or a
     batch's loss."""
-    command = lambda out: [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
-                           "train.py", *SMALL, *DOCS, f"--data_dir={doc_data_dir}", "--max_steps=20",
-                           f"--out_dir={out}", "--init_from=auto"]
-    code, stdout, stderr = run(command(tmp_path / "straight"))
-    assert code == 0 and "compile=True, nccl process group" in stdout, stderr[-3000:]
-    stopped = start(command(tmp_path / "stopped"))
-    wait_for_step(str(tmp_path / "stopped"), 5, stopped)
-    stopped.send_signal(signal.SIGTERM)
-    _, _, stderr = finish(stopped)
-    assert "(exit status 75)" in stderr, stderr[-3000:]
-    code, stdout, stderr = run(command(tmp_path / "stopped"))
-    assert code == 0 and "resuming from" in stdout, stderr[-3000:]
+    straight_and_stopped(doc_data_dir, tmp_path, "compile=True, nccl process group", "ckpt.pt")
     assert_same_run(tmp_path / "straight", tmp_path / "stopped", close=dict(rtol=1e-3, atol=1e-4))
 
 
@@ -211,18 +218,7 @@ def test_fsdp_nccl_bf16_compiled_stopped_and_resumed_equals_an_unbroken_run(doc_
     reduced (MixedPrecisionPolicy), blocks compiled one by one, FlexAttention; a SIGTERM stops it with a sharded
     checkpoint (ckpt.dcp), the same command continues it, and it ends as the unbroken run within the tolerance of
     the DDP test above."""
-    command = lambda out: [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
-                           "train.py", *SMALL, *DOCS, f"--data_dir={doc_data_dir}", "--max_steps=20",
-                           f"--out_dir={out}", "--init_from=auto", "--fsdp=True"]
-    code, stdout, stderr = run(command(tmp_path / "straight"))
-    assert code == 0 and "compile=True, nccl process group, FSDP" in stdout, stderr[-3000:]
-    stopped = start(command(tmp_path / "stopped"))
-    wait_for_step(str(tmp_path / "stopped"), 5, stopped)
-    stopped.send_signal(signal.SIGTERM)
-    _, _, stderr = finish(stopped)
-    assert "(exit status 75)" in stderr and (tmp_path / "stopped" / "ckpt.dcp").is_dir(), stderr[-3000:]
-    code, stdout, stderr = run(command(tmp_path / "stopped"))
-    assert code == 0 and "resuming from" in stdout, stderr[-3000:]
+    straight_and_stopped(doc_data_dir, tmp_path, "compile=True, nccl process group, FSDP", "ckpt.dcp", "--fsdp=True")
     a, b = (load_checkpoint(str(tmp_path / d / "ckpt.dcp")) for d in ("straight", "stopped"))
     assert a["step"] == b["step"] == 20
     assert all(torch.allclose(a["model"][k], b["model"][k], rtol=1e-3, atol=1e-4) for k in a["model"])
