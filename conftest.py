@@ -1,4 +1,5 @@
-"""Shared test fixtures: a small GPT-2-style tokenizer built here (tiktoken's own `gpt2` would download)."""
+"""Shared test fixtures: a small GPT-2-style tokenizer built here (fast to load, with few enough ids for tiny
+models), and a closed network."""
 import base64
 
 import pytest
@@ -44,7 +45,8 @@ def closed_url():
 @pytest.fixture
 def offline(tmp_path, monkeypatch, closed_url):
     """No internet, for real: every requests.get goes to a closed port on 127.0.0.1 (connection refused),
-    and tiktoken's cache is an empty folder (so its `gpt2` vocabulary must be downloaded, and fails)."""
+    and tiktoken's cache is an empty folder (so anything that asked tiktoken for its own `gpt2` would have to
+    download it, and fail: the tools read tokenizer/gpt2.tiktoken instead)."""
     import requests
     real_get = requests.get
     monkeypatch.setattr(requests, "get", lambda url, *a, **k: real_get(f"{closed_url}/", *a, **k))

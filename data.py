@@ -5,39 +5,45 @@ Shard format (llm.c / modded-nanogpt): a header of 256 little-endian int32 words
 version 1, token count, then zeros), followed by the tokens as little-endian uint16. A shard of
 ntok tokens is therefore exactly 1024 + 2*ntok bytes; anything else is a truncated or foreign file.
 """
+import ast
 import contextlib
+import fcntl
 import glob
 import gzip
+import hashlib
 import json
+import multiprocessing
 import os
+import shutil
 import sys
+import sysconfig
+import tempfile
+import time
 
 import numpy as np
 import tiktoken
 import torch
 from tiktoken.load import load_tiktoken_bpe
+from tqdm import tqdm
 
 GPT2_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?!\S)|\s"""
 
 
+TOKENIZER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tokenizer", "gpt2.tiktoken")  # shipped: the
+#   ranks of tiktoken's gpt2 (r50k_base), under OpenAI's licence beside it, so that no tool downloads them
+
+
 def load_encoding(path=None):
-    """GPT-2 BPE. With `path`, read the ranks from a local `.tiktoken` file (offline clusters, tests);
-    the pattern and `<|endoftext|>` (placed right after the ranks, 50256 for GPT-2) are GPT-2's.
-    Every tool loads its tokenizer here, so the offline hint below is the same everywhere."""
-    if path is None:
-        import requests  # tiktoken's own client: it downloads 'gpt2' on first use
-        try:
-            return tiktoken.get_encoding("gpt2")
-        except (OSError, requests.RequestException) as e:
-            raise ValueError(f"tiktoken could not download its gpt2 vocabulary ({type(e).__name__}); offline, "
-                             f"pass --tokenizer PATH to a copy of GPT-2's r50k_base.tiktoken (README.md: "
-                             f"Troubleshooting)") from None
+    """GPT-2 BPE: the ranks of a `.tiktoken` file (path; default: GPT-2's own, shipped in tokenizer/), GPT-2's
+    split pattern, and `<|endoftext|>` right after the ranks (50256 for GPT-2). Every tool loads its tokenizer
+    here. Nothing is downloaded: tiktoken's get_encoding("gpt2") would fetch the same ranks on first use."""
+    path = TOKENIZER if path is None else path
     try:
         ranks = load_tiktoken_bpe(str(path))
     except Exception as e:
         raise ValueError(f"{path}: not a readable .tiktoken ranks file ({e})") from None
-    return tiktoken.Encoding(name=f"gpt2:{path}", pat_str=GPT2_PATTERN, mergeable_ranks=ranks,
-                             special_tokens={"<|endoftext|>": len(ranks)})
+    return tiktoken.Encoding(name="gpt2" if path == TOKENIZER else f"gpt2:{path}", pat_str=GPT2_PATTERN,
+                             mergeable_ranks=ranks, special_tokens={"<|endoftext|>": len(ranks)})
 
 
 @contextlib.contextmanager
@@ -274,3 +280,184 @@ def val_batches(data_dir, batch_size, block_size, max_tokens=None, rank=0, world
                 opened = {i: open_shard(files[i])}  # keep one map open at a time
             yield _window(opened[i], pos, rank, batch_size, block_size)
     return batches()
+
+
+# ----------------------------------------------------------------------------------------------
+# Tokenising documents, in worker processes (prepare.py --tokenize, the built-in corpus)
+
+BATCH_CHARS = 1 << 20  # characters of text per task sent to a worker
+
+_encoding = None  # the encoding of this (worker) process
+
+
+def _start_worker(tokenizer):
+    # each worker builds its own encoding: tiktoken Encoding objects are not meant to be pickled
+    global _encoding
+    _encoding = load_encoding(tokenizer)
+
+
+def _encode(texts):
+    """Tokens of a batch of documents, each <|endoftext|> then the document (special-token text
+    inside a document is plain text). One array per batch: pickling per document costs more."""
+    ids = []
+    for text in texts:
+        ids.append(_encoding.eot_token)
+        ids.extend(_encoding.encode_ordinary(text))
+    return np.array(ids, dtype=np.uint16), len(texts)
+
+
+def _batches(docs):
+    """Group documents into batches of about BATCH_CHARS characters (a worker's unit of work)."""
+    batch, size = [], 0
+    for doc in docs:
+        batch.append(doc)
+        size += len(doc)
+        if size >= BATCH_CHARS:
+            yield batch
+            batch, size = [], 0
+    if batch:
+        yield batch
+
+
+@contextlib.contextmanager
+def encoder(tokenizer=None, workers=1):
+    """encode(docs): the (tokens, number of documents) of each batch of about BATCH_CHARS characters of the
+    documents, in their order, each document <|endoftext|> then its tokens. `workers` processes (forked here,
+    before the caller starts a progress bar's thread, so that no lock is copied held), or with 1 this process
+    alone: the same tokens either way."""
+    pool = None
+    try:
+        if workers > 1:
+            pool = multiprocessing.Pool(workers, initializer=_start_worker, initargs=(tokenizer,))
+        else:
+            _start_worker(tokenizer)
+        # imap returns the batches in input order, whichever worker finishes first
+        yield lambda docs: pool.imap(_encode, _batches(docs)) if pool else map(_encode, _batches(docs))
+    finally:
+        if pool is not None:
+            pool.terminate()
+
+
+# ----------------------------------------------------------------------------------------------
+# The built-in corpus: the running Python's own standard library, one document per module and one per pydoc help
+# topic. Every machine that runs this code holds it, so the quick start trains with no download, and nothing of
+# it is copied into the repository: it is read from the reader's own Python when it is built.
+
+CORPUS_NAME = "stdlib"  # its directory's name: train.py builds a missing data_dir of this name first
+CORPUS_VAL_ONE_IN = 20  # one document in 20 goes to validation, picked by a hash of its name (ours: measured 0.16M
+#                         tokens of Debian's python3.11, 1.0M of a full CPython 3.11 build with its tests: more than
+#                         the 65,536 configs/tiny.py evaluates)
+NOT_THE_LIBRARY = {"site-packages", "dist-packages", "__pycache__"}  # installed packages (pyenv's sit inside the
+#                                                                   library's folder) and bytecode
+TOPICS = "pydoc_data/topics.py"  # pydoc's help topics: a dict of texts, each topic a document of its own
+
+
+def is_corpus(data_dir):
+    """Whether data_dir names the built-in corpus (its last part is CORPUS_NAME)."""
+    return os.path.basename(os.path.normpath(str(data_dir))) == CORPUS_NAME
+
+
+def library_documents(lib_dir):
+    """({name: text}, [skipped]) of a Python library folder: every module (*.py, by its path under lib_dir) and
+    every pydoc help topic ('pydoc_data/topics.py:<topic>'), read from the files, never imported; the files that
+    cannot be read, or are not UTF-8, are skipped and named."""
+    docs, skipped = {}, []
+    for root, dirs, files in os.walk(lib_dir):
+        dirs[:] = sorted(d for d in dirs if d not in NOT_THE_LIBRARY)
+        for file in sorted(f for f in files if f.endswith(".py")):
+            name = os.path.relpath(os.path.join(root, file), lib_dir).replace(os.sep, "/")
+            try:
+                with open(os.path.join(root, file), encoding="utf-8") as f:
+                    text = f.read()
+                if name == TOPICS:
+                    docs.update((f"{name}:{k}", v) for k, v in pydoc_topics(text).items())
+                else:
+                    docs[name] = text
+            except (OSError, UnicodeDecodeError, ValueError, SyntaxError):
+                skipped.append(name)
+    return docs, skipped
+
+
+def pydoc_topics(source):
+    """The `topics = {...}` dict of pydoc_data/topics.py, evaluated as a literal (no code of it runs)."""
+    for node in ast.parse(source).body:
+        if isinstance(node, ast.Assign) and [getattr(t, "id", None) for t in node.targets] == ["topics"]:
+            return ast.literal_eval(node.value)
+    raise ValueError("no topics = {...} in it")
+
+
+def corpus_order(name):
+    """A document's place: its name's sha256, which also picks the validation documents (the same on every build and
+    machine, and a module's split does not depend on which others the library has)."""
+    return hashlib.sha256(name.encode()).digest()
+
+
+def build_corpus(data_dir, lib_dir=None, workers=min(4, os.cpu_count() or 1)):
+    """Tokenise a Python library folder (default: the running Python's, sysconfig's stdlib) into data_dir:
+    {name}_val_000000.bin, {name}_train_000001.bin (name: data_dir's basename) and corpus.json, what went where.
+    Documents in the order of their names' hashes, so that the first batches mix the whole library; the validation
+    set one document in CORPUS_VAL_ONE_IN. Built in a temporary folder that is renamed into place when it is whole:
+    a build cut short is never taken for one. Two builds from the same folder give the same bytes."""
+    data_dir = os.path.normpath(str(data_dir))
+    lib_dir = lib_dir or sysconfig.get_paths()["stdlib"]
+    if os.path.exists(data_dir):
+        raise ValueError(f"{data_dir}: already exists; remove it to build the corpus again")
+    if not os.path.isdir(lib_dir):
+        raise FileNotFoundError(f"{lib_dir}: no such Python library folder")
+    t0, name = time.time(), os.path.basename(data_dir)
+    docs, skipped = library_documents(lib_dir)
+    if not docs:
+        raise ValueError(f"{lib_dir}: no Python modules in it")
+    names = sorted(docs, key=corpus_order)
+    split = {"val": [n for n in names if int.from_bytes(corpus_order(n)[:8], "big") % CORPUS_VAL_ONE_IN == 0]}
+    split["train"] = [n for n in names if n not in set(split["val"])]
+    os.makedirs(os.path.dirname(os.path.abspath(data_dir)), exist_ok=True)
+    stage = tempfile.mkdtemp(prefix=f"{name}.tmp", dir=os.path.dirname(os.path.abspath(data_dir)))
+    umask = os.umask(0o22)
+    os.umask(umask)
+    os.chmod(stage, 0o777 & ~umask)  # mkdtemp's folder is private (0700); the corpus is as any new folder
+    tokens = {}
+    try:
+        with encoder(workers=workers) as encode:
+            bar = tqdm(total=len(names), unit="doc", desc=f"building {data_dir}")
+            for index, part in ((0, "val"), (1, "train")):
+                arrays = []
+                for ids, n in encode(docs[d] for d in split[part]):
+                    arrays.append(ids)
+                    bar.update(n)
+                tokens[part] = np.concatenate(arrays) if arrays else np.zeros(0, np.uint16)
+                write_shard(os.path.join(stage, f"{name}_{part}_{index:06d}.bin"), tokens[part])
+            bar.close()
+        summary = {"source": lib_dir, "skipped": skipped,
+                   **{f"{part}_documents": len(split[part]) for part in split},
+                   **{f"{part}_tokens": len(tokens[part]) for part in split}, "val_names": split["val"]}
+        with atomic_write(os.path.join(stage, "corpus.json"), "w") as f:
+            json.dump(summary, f, indent=1)
+        os.rename(stage, data_dir)
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
+    print(f"built {data_dir}: {len(names):,} documents of {lib_dir} ({summary['train_documents']:,} train, "
+          f"{summary['val_documents']:,} val{f', {len(skipped)} unreadable or not UTF-8 skipped' if skipped else ''}), "
+          f"{summary['train_tokens']:,} train and {summary['val_tokens']:,} val tokens in {time.time() - t0:.1f} s",
+          flush=True)
+    return summary
+
+
+def ensure_corpus(data_dir, lib_dir=None):
+    """The built-in corpus in data_dir, built first (build_corpus) if it is not there. Processes that start together
+    (torchrun's, sweep.py --parallel's) build it once: each takes a lock in turn, the first builds, the others find
+    it built."""
+    if os.path.isdir(data_dir) or not is_corpus(data_dir):
+        return
+    parent = os.path.dirname(os.path.abspath(data_dir))
+    os.makedirs(parent, exist_ok=True)
+    with open(os.path.join(parent, f".{CORPUS_NAME}.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also when the process dies
+        if os.path.isdir(data_dir):
+            return
+        for stale in glob.glob(os.path.join(glob.escape(parent), f"{CORPUS_NAME}.tmp*")):
+            shutil.rmtree(stale, ignore_errors=True)  # a build that was killed midway
+        lib_dir = lib_dir or sysconfig.get_paths()["stdlib"]
+        print(f"{data_dir}: not there yet; building the built-in corpus from this Python's standard library "
+              f"({lib_dir}), once", flush=True)
+        build_corpus(data_dir, lib_dir)

@@ -481,7 +481,7 @@ def parse_args(argv=None):
     p.add_argument("--drop_anchor", action="store_true",
                    help="zero every anchor term at inference (the paper's anchor-removal ablation, §4.5)")
     p.add_argument("--out", default=None, help="also write the results to this JSON file")
-    p.add_argument("--tokenizer", default=None, help="local .tiktoken ranks file (default: GPT-2 from tiktoken)")
+    p.add_argument("--tokenizer", default=None, help="a .tiktoken ranks file (default: tokenizer/gpt2.tiktoken, GPT-2's)")
     args = p.parse_args(argv)
     if args.harness is not None:
         given = [f"--{k}" for k in ("tasks", "data_dir", "base_url") if getattr(args, k) is not None]

@@ -5,10 +5,12 @@ Download the GPT-2-tokenised FineWeb-Edu 10B shards:
 or tokenise your own text (.txt, .jsonl, .jsonl.gz) into the same format:
     python prepare.py --tokenize PATH... --data_dir DIR [--name NAME] [--shard_tokens N]
                       [--val_tokens N] [--workers N] [--tokenizer PATH.tiktoken]
+or build the built-in corpus, this Python's standard library (train.py builds it when data_dir=data/stdlib is
+missing), or the same from another Python's library folder:
+    python prepare.py --stdlib [LIBRARY_DIR] [--data_dir data/stdlib] [--workers N]
 """
 import argparse
 import glob
-import multiprocessing
 import os
 import shutil
 import tempfile
@@ -19,7 +21,7 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 import numpy as np
 from tqdm import tqdm
 
-from data import load_encoding, read_header, read_jsonl, write_shard
+from data import build_corpus, encoder, load_encoding, read_header, read_jsonl, write_shard
 from httpclient import ByteBar, DownloadError, download_file
 
 BASE_URL = "https://huggingface.co/datasets/kjj0/finewebedu10B-gpt2/resolve/main"
@@ -86,7 +88,6 @@ def download_shards(data_dir, train_shards=NUM_TRAIN_SHARDS, workers=4, base_url
 # Tokenising raw text
 
 INPUT_TYPES = (".txt", ".jsonl", ".jsonl.gz")
-BATCH_CHARS = 1 << 20  # characters of text per task sent to a worker
 
 
 def check_inputs(paths):
@@ -128,38 +129,6 @@ def read_documents(paths):
             raise ValueError(f"{p}: unreadable ({e})") from None
         if n == 0:
             raise ValueError(f"{p}: no documents in it")
-
-
-_enc = None  # the encoding of this (worker) process
-
-
-def _init_worker(tokenizer):
-    # each worker builds its own encoding: tiktoken Encoding objects are not meant to be pickled
-    global _enc
-    _enc = load_encoding(tokenizer)
-
-
-def _encode(texts):
-    """Tokens of a batch of documents, each <|endoftext|> then the document (special-token text
-    inside a document is plain text). One array per batch: pickling per document costs more."""
-    ids = []
-    for text in texts:
-        ids.append(_enc.eot_token)
-        ids.extend(_enc.encode_ordinary(text))
-    return np.array(ids, dtype=np.uint16), len(texts)
-
-
-def _batches(docs):
-    """Group documents into batches of about BATCH_CHARS characters (a worker's unit of work)."""
-    batch, size = [], 0
-    for doc in docs:
-        batch.append(doc)
-        size += len(doc)
-        if size >= BATCH_CHARS:
-            yield batch
-            batch, size = [], 0
-    if batch:
-        yield batch
 
 
 class _ShardWriter:
@@ -242,29 +211,21 @@ def tokenize(paths, data_dir, name=None, shard_tokens=10**8, val_tokens=10**7, w
     name = check_request(paths, data_dir, name, shard_tokens, val_tokens, workers, tokenizer)
     os.makedirs(data_dir, exist_ok=True)
     stage = tempfile.mkdtemp(prefix=f".{name}.", dir=data_dir)  # shards appear only if all succeeds
-    t0, ndocs, pool, bar = time.time(), 0, None, None
+    t0, ndocs, bar = time.time(), 0, None
     try:
-        if workers > 1:  # forked before tqdm starts its monitor thread: no lock is copied held
-            pool = multiprocessing.Pool(workers, initializer=_init_worker, initargs=(tokenizer,))
-        else:  # no pool: the same code in this process, the same bytes
-            _init_worker(tokenizer)
-        bar = tqdm(unit="tok", unit_scale=True, desc="tokenize")
-        writer = _ShardWriter(stage, name, shard_tokens, val_tokens)
-        batches = _batches(read_documents(paths))
-        # imap returns the batches in input order, whichever worker finishes first
-        results = pool.imap(_encode, batches) if pool else map(_encode, batches)
-        for tokens, n in results:
-            writer.add(tokens)
-            bar.update(len(tokens))
-            ndocs += n
-        files = writer.finish()
+        with encoder(tokenizer, workers) as encode:
+            bar = tqdm(unit="tok", unit_scale=True, desc="tokenize")
+            writer = _ShardWriter(stage, name, shard_tokens, val_tokens)
+            for tokens, n in encode(read_documents(paths)):
+                writer.add(tokens)
+                bar.update(len(tokens))
+                ndocs += n
+            files = writer.finish()
         for f in files:
             os.replace(f, os.path.join(data_dir, os.path.basename(f)))
     finally:
         if bar is not None:
             bar.close()
-        if pool is not None:
-            pool.terminate()
         shutil.rmtree(stage, ignore_errors=True)
     dt = time.time() - t0
     print(f"{ndocs:,} documents, {writer.total:,} tokens ({writer.n_val:,} val, "
@@ -290,11 +251,18 @@ def main(argv=None):
     t.add_argument("--val_tokens", type=int,
                    help="tokens for the val shard (default 10M, at most a tenth)")
     t.add_argument("--tokenizer", metavar="PATH.tiktoken",
-                   help="GPT-2 ranks file (default: tiktoken's gpt2)")
+                   help="GPT-2 ranks file (default: tokenizer/gpt2.tiktoken, GPT-2's own)")
+    c = p.add_argument_group("the built-in corpus")
+    c.add_argument("--stdlib", nargs="?", const="", metavar="LIBRARY_DIR",
+                   help="tokenise a Python standard library (default: this Python's) into --data_dir "
+                        "(default data/stdlib): one document per module and per pydoc topic")
     args = p.parse_args(argv)
     tok_only = [o for o in ("name", "shard_tokens", "val_tokens", "tokenizer")
                 if getattr(args, o) is not None]
     dl_only = [o for o in ("train_shards", "base_url") if getattr(args, o) is not None]
+    if args.stdlib is not None and (args.tokenize or tok_only or dl_only):
+        p.error(f"--stdlib builds the built-in corpus; --{'tokenize' if args.tokenize else (tok_only + dl_only)[0]} "
+                f"does not apply to it")
     if args.tokenize and dl_only:
         p.error(f"--{dl_only[0]} is for downloads, not --tokenize")
     if not args.tokenize and tok_only:
@@ -302,7 +270,9 @@ def main(argv=None):
     if args.tokenize and not args.data_dir:
         p.error("--tokenize needs --data_dir (where to write the shards)")
     try:
-        if args.tokenize:
+        if args.stdlib is not None:
+            build_corpus(args.data_dir or "data/stdlib", args.stdlib or None, args.workers)
+        elif args.tokenize:
             tokenize(args.tokenize, args.data_dir, name=args.name,
                      shard_tokens=10**8 if args.shard_tokens is None else args.shard_tokens,
                      val_tokens=10**7 if args.val_tokens is None else args.val_tokens,
@@ -314,7 +284,7 @@ def main(argv=None):
     except (ValueError, OSError, DownloadError) as e:
         raise SystemExit(f"prepare.py: error: {e}")
     except KeyboardInterrupt:
-        raise SystemExit("prepare.py: interrupted; nothing was written" if args.tokenize else
+        raise SystemExit("prepare.py: interrupted; nothing was written" if args.tokenize or args.stdlib is not None else
                          "prepare.py: interrupted; run the same command again to resume the downloads")
 
 

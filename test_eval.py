@@ -504,10 +504,12 @@ def test_unreachable_server_fails_at_once_with_the_offline_hint(where, closed_ur
     assert "\n## Evaluation\n" in reference and "\n**Data, and running offline.**" in reference  # what it points at
 
 
-def test_cli_offline_without_tokenizer_says_what_to_do(offline):
+def test_cli_offline_loads_the_shipped_tokenizer(offline, tmp_path):
+    """With the network closed the default tokenizer loads (tokenizer/gpt2.tiktoken): the first error is the
+    missing checkpoint, not the vocabulary."""
     with pytest.raises(SystemExit) as e:
-        ev.main(["out/ckpt.pt"])
-    assert "could not download its gpt2 vocabulary" in str(e.value) and "--tokenizer PATH" in str(e.value)
+        ev.main([str(tmp_path / "ckpt.pt")])
+    assert str(e.value).startswith("eval.py: error: ") and f"{tmp_path / 'ckpt.pt'}: no checkpoint there" in str(e.value)
 
 
 def test_cached_file_is_checked(tmp_path):

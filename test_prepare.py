@@ -16,6 +16,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import numpy as np
 import pytest
 
+import data
 import httpclient
 import prepare
 
@@ -335,7 +336,7 @@ def test_tokenize_exact_tokens_and_sharding(inputs, tmp_path, enc, enc_file, val
 
 
 def test_tokenize_bytes_do_not_depend_on_workers(inputs, tmp_path, enc_file, monkeypatch):
-    monkeypatch.setattr(prepare, "BATCH_CHARS", 100)  # many small tasks, so the 3 workers interleave
+    monkeypatch.setattr(data, "BATCH_CHARS", 100)  # many small tasks, so the 3 workers interleave
     for w in (1, 3):
         prepare.tokenize(inputs * 3, tmp_path / f"w{w}", name="x", shard_tokens=200, val_tokens=50,
                          workers=w, tokenizer=enc_file)
@@ -421,22 +422,34 @@ def test_tokenize_option_errors(inputs, tmp_path, enc, enc_file):
     assert os.listdir(tmp_path / "o") == []
 
 
-def test_tokenize_offline_default_tokenizer_says_what_to_do(inputs, tmp_path, monkeypatch):
-    import requests
-    import tiktoken
+def test_tokenize_offline_takes_the_shipped_gpt2_tokenizer(inputs, tmp_path, offline):
+    """With the network closed, the default tokenizer is tokenizer/gpt2.tiktoken: GPT-2's ids, nothing downloaded."""
+    prepare.tokenize(inputs, tmp_path / "o", val_tokens=10, workers=2)
+    written = read_tokens(tmp_path / "o" / "o_val_000000.bin") + read_tokens(tmp_path / "o" / "o_train_000001.bin")
+    assert written == expected_stream(data.load_encoding(data.TOKENIZER)) and max(written) == 50256
 
-    def offline(name):
-        raise requests.ConnectionError("Failed to resolve 'openaipublic.blob.core.windows.net'")
-    monkeypatch.setattr(tiktoken, "get_encoding", offline)
-    with pytest.raises(ValueError, match="offline, pass --tokenizer PATH"):
-        prepare.tokenize(inputs, tmp_path / "o")
-    assert not (tmp_path / "o").exists()
+
+def test_stdlib_cli_builds_the_corpus_from_a_library_folder(tmp_path, capsys):
+    from test_data import make_library
+    (tmp_path / "lib").mkdir()
+    documents = make_library(tmp_path / "lib")
+    prepare.main(["--stdlib", str(tmp_path / "lib"), "--data_dir", str(tmp_path / "d" / "stdlib"), "--workers", "1"])
+    assert capsys.readouterr().out.startswith(f"built {tmp_path / 'd' / 'stdlib'}: {len(documents)} documents")
+    assert sorted(os.listdir(tmp_path / "d" / "stdlib")) == ["corpus.json", "stdlib_train_000001.bin",
+                                                             "stdlib_val_000000.bin"]
+    with pytest.raises(SystemExit, match="stdlib: already exists; remove it to build the corpus again"):
+        prepare.main(["--stdlib", str(tmp_path / "lib"), "--data_dir", str(tmp_path / "d" / "stdlib")])
+    with pytest.raises(SystemExit, match=f"{tmp_path / 'none'}: no such Python library folder"):
+        prepare.main(["--stdlib", str(tmp_path / "none"), "--data_dir", str(tmp_path / "e" / "stdlib")])
+    assert not (tmp_path / "e" / "stdlib").exists()
 
 
 @pytest.mark.parametrize("argv, message", [
     (["--tokenize", "a.txt"], "--tokenize needs --data_dir"),
     (["--name", "x"], "--name only applies with --tokenize"),
     (["--tokenize", "a.txt", "--data_dir", "d", "--base_url", "http://x"], "--base_url is for downloads"),
+    (["--stdlib", "--tokenize", "a.txt"], "--stdlib builds the built-in corpus; --tokenize does not apply to it"),
+    (["--stdlib", "--train_shards", "2"], "--stdlib builds the built-in corpus; --train_shards does not apply"),
 ])
 def test_cli_usage_errors(argv, message, capsys):
     with pytest.raises(SystemExit) as e:

@@ -40,7 +40,7 @@ from checkpoint import (checkpoint_path, drop_stale, full_path, is_own, kept_pat
                         restore_weights, resume_state, resumed_model_config, save_checkpoint, save_sharded,
                         save_weights, trained_doc_mask)
 from configurator import help_text, key_comments, read_args, wants_help
-from data import DataLoader, val_batches
+from data import DataLoader, ensure_corpus, val_batches
 from model import GPT, GPTConfig
 from optim import configure_optimizers, step_optimizers
 from parallel import PREEMPTED, StopSignals, Worker, tell
@@ -53,7 +53,7 @@ class TrainConfig:
     """train.py's keys, one per line, its meaning in the comment (`python train.py --help` prints them). The model
     keys are GPTConfig's fields (set them with a configs/ file); their meanings are model.py's."""
     # I/O
-    data_dir: str = "data/finewebedu10B"  # shards from prepare.py (*_train_*.bin, *_val_*.bin)
+    data_dir: str = "data/finewebedu10B"  # shards from prepare.py (*_train_*.bin, *_val_*.bin); one named stdlib is built from this Python's library when missing
     out_dir: str = "out"  # ckpt.pt and log.jsonl
     init_from: str = "scratch"  # 'scratch', 'resume' (continue from <out_dir>/ckpt.pt), 'auto' (resume if it exists), or a ckpt_<step>_full.pt to branch from
     eval_only: bool = False  # evaluate <out_dir>/ckpt.pt on the whole validation shard and exit
@@ -217,6 +217,7 @@ class TrainingRun:
 def build(cfg, model_config, worker, accum):
     """The data readers (every shard checked now, the val shard too), the model (seeded), its optimisers."""
     T, V, rank, world = model_config.block_size, model_config.vocab_size, worker.rank, worker.world_size
+    ensure_corpus(cfg.data_dir)  # the built-in corpus (a data_dir named stdlib) is built the first time
     # one window of total_batch_size tokens per step, split into micro-steps: the same tokens whatever the mix
     # of processes and accumulation (and at shard ends, too)
     loader = None if cfg.eval_only else DataLoader(cfg.data_dir, accum * cfg.batch_size, T, rank, world, V)
