@@ -29,7 +29,7 @@ import numpy as np
 
 from checkpoint import checkpoint_path, full_path, load_checkpoint
 from configurator import read_args
-from data import atomic_write, find_shards
+from data import atomic_write, find_shards, is_corpus
 from model import GPTConfig
 from parallel import PREEMPTED
 from runlog import log_path, read_log, val_curve
@@ -115,8 +115,8 @@ def plan(configs, seeds, budgets, overrides, out_dir, branch=True):
         if missing:
             raise ValueError(f"{config}: no config file {missing[0]}")
         cfg = check_run(files + overrides)  # raises ValueError naming the key or file
-        for split in ("train", "val"):  # present, at least (train.py checks their contents)
-            find_shards(cfg.data_dir, split)
+        for split in ("train", "val") if not is_corpus(cfg.data_dir) else ():  # train.py builds the built-in one
+            find_shards(cfg.data_dir, split)  # present, at least (train.py checks their contents)
         shorter = [(b, *shorter_budget(files, overrides, cfg, b, branch)) for b in budgets if b != 1]
         variants.append(("+".join(os.path.basename(f).removesuffix(".py") for f in files), files, cfg.max_steps,
                          shorter))

@@ -286,6 +286,10 @@ def test_print_gives_runnable_commands_and_bad_input_is_refused_before_any_run(d
                            timeout=120)
         assert r.returncode == 2 if extra[0].startswith(("--seed", "--budgets")) else r.returncode == 1
         assert message in r.stderr.strip().splitlines()[-1] and not (tmp_path / "bad").exists(), r.stderr
+    # the built-in corpus need not be there yet: each run's train.py builds it (once: data.ensure_corpus)
+    r = subprocess.run(sweep_cmd(tmp_path / "data" / "stdlib", out, "--print"), cwd=ROOT, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0 and f"--data_dir={tmp_path / 'data' / 'stdlib'}" in r.stdout, r.stderr
 
 
 # ----------------------------------------------------------------------------- the frozen-anchor control
