@@ -48,9 +48,11 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from checkpoint import Runtime, check_checkpoint, load_model, trained_doc_mask
-from data import atomic_write, val_batches
+from checkpoint import check_checkpoint, load_model, trained_doc_mask
+from data import val_batches
+from files import atomic_write
 from model import document_mask
+from parallel import Runtime
 from runlog import log_path, read_log, val_curve
 
 TOP_K = (1, 2, 3, 10)  # the top-k attention weights of Figure 4

@@ -38,9 +38,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 import parallel
+import sharding
 from configurator import help_text, key_comments, load_config, wants_help
 from model import EOT, GPT, GPTConfig, flops_per_token
-from optim import configure_optimizers, moment_shape, muon_params, step_optimizers
+from optim import build_optimizers, clip_gradients, moment_shape, muon_params
 from train import ALL_DEFAULTS, help_sections, split_config
 
 BENCH_DEFAULTS = dict(
@@ -69,7 +70,7 @@ HEADROOM = 0.9  # of a GPU's memory usable for all this: the rest for CUDA conte
 # the whole step. Ours, from fully_shard's defaults, not measured (test_cuda.py measures a GPU's peak).
 GATHERED_BYTES = 2 + 2 + 4
 # Muon under FSDP: each owner holds its whole matrices, the gathered update in fp32, and its result (fp32) with
-# Polar Express's bf16 iterates (X, A, A @ A), per parameter it owns (optim.Exchange)
+# Polar Express's bf16 iterates (X, A, A @ A), per parameter it owns (sharding.Exchange)
 OWNED_BYTES = 4 + 4 + 3 * 2
 # the c10d ops that torch.distributed's collectives dispatch, by kind, and the argument whose bytes are counted:
 # a whole buffer (all-reduce, broadcast: the tensor; all-gather: its output; reduce-scatter, all-to-all: the input)
@@ -208,11 +209,11 @@ def build(row, env):
     model = GPT(row.config)
     model.activation_checkpointing = row.cfg.activation_checkpointing
     if row.cfg.fsdp:
-        row.model = row.forward = parallel.fully_shard_model(model, env)
+        row.model = row.forward = sharding.fully_shard_model(model, env)
     else:
         row.model = model.to(env.device)
         row.forward = parallel.data_parallel(torch.compile(row.model) if env.compile else row.model, env)
-    row.optimizers = configure_optimizers(row.model, row.cfg, env.rank, env.world_size) \
+    row.optimizers = build_optimizers(row.model, row.cfg, env.rank, env.world_size) \
         if row.bench["optimizer"] else None
 
 
@@ -249,7 +250,7 @@ def rank_table(runs, x, y, env):
                 row.forward(x, y, z_loss=row.cfg.z_loss, doc_mask=row.cfg.doc_mask)[1].backward()
             held = [local_bytes(row.model.parameters()), local_bytes(p.grad for p in row.model.parameters())]
             if row.optimizers:
-                step_optimizers(row.model, row.optimizers, row.cfg.grad_clip)
+                optimizer_step(row)
         held += [local_bytes(v for s in opt.state.values() for v in s.values()) for opt in row.optimizers or []]
         ms = statistics.median(row.times) * 1000
         print(f"{row.name:<28}{ms:>9.1f}{statistics.median(row.times) / statistics.median(runs[0].times):>7.3f}"
@@ -376,12 +377,20 @@ def step(row, x, y, env):
         _, loss = row.forward(x, y, z_loss=row.cfg.z_loss, doc_mask=row.cfg.doc_mask)
     loss.backward()
     if row.optimizers:
-        step_optimizers(row.model, row.optimizers, row.cfg.grad_clip)
+        optimizer_step(row)
     else:
         row.model.zero_grad(set_to_none=True)
     if cuda:
         torch.cuda.synchronize()
     return time.perf_counter() - t0
+
+
+def optimizer_step(row):
+    """Clip the gradients, then step and clear both optimisers, as train.py's loop does."""
+    clip_gradients(row.model, row.cfg.grad_clip)
+    for opt in row.optimizers:
+        opt.step()
+        opt.zero_grad(set_to_none=True)
 
 
 if __name__ == "__main__":

@@ -51,3 +51,21 @@ def offline(tmp_path, monkeypatch, closed_url):
     real_get = requests.get
     monkeypatch.setattr(requests, "get", lambda url, *a, **k: real_get(f"{closed_url}/", *a, **k))
     monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path / "tiktoken_cache"))
+
+
+@pytest.fixture(scope="session")
+def closed_network():
+    """The prefix of a command that runs it with no network at all: `unshare -n` puts it in a network namespace
+    of its own, whose only interface is a loopback that is down. It needs root: outside CI, without it, the test
+    is skipped with that reason; in CI (which runs as root) it must work."""
+    import os
+    import subprocess
+    try:
+        works = subprocess.run(["unshare", "-n", "true"], capture_output=True).returncode == 0
+    except FileNotFoundError:
+        works = False
+    if not works:
+        if os.environ.get("CI"):
+            pytest.fail("unshare -n does not work here: CI runs as root, where it must")
+        pytest.skip("closing the network needs unshare -n, which needs root")
+    return ["unshare", "-n"]

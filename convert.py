@@ -36,9 +36,10 @@ import torch
 import hf
 from configurator import load_config
 from httpclient import ByteBar, DownloadError, download_file, get_json
-from checkpoint import check_state, export_sharded, is_sharded, load_checkpoint, save_checkpoint
+import sharding
+from checkpoint import load_checkpoint, save_checkpoint
 from data import load_encoding
-from model import GRANULARITY_SHAPES, PROJECTIONS, GPTConfig
+from model import GRANULARITY_SHAPES, PROJECTIONS, GPTConfig, check_state
 from runlog import log_path, read_log, val_curve
 
 HF_URL = "https://huggingface.co"
@@ -290,7 +291,7 @@ def fetch(src, cache_dir=CACHE_DIR, base_url=HF_URL):
     once into cache_dir/OWNER/NAME/FILENAME (resumable, size-checked, renamed when complete). For OWNER/NAME: a
     checkpoint of it downloaded before, else the model folder it holds (hf.hub_folder), else the checkpoint the
     Hub's listing offers first (checkpoint_files)."""
-    if os.path.isfile(src) or hf.is_folder(src) or is_sharded(src):
+    if os.path.isfile(src) or os.path.isdir(src):  # a file, a model folder, or a sharded checkpoint
         return src, src
     parts = src.split("/")
     if len(parts) < 2 or "" in parts or parts[0] in (".", "..") or (len(parts) == 2 and src.endswith(".pt")):
@@ -357,8 +358,8 @@ def source(src, cache_dir, base_url):
 
 def convert(src, out, cache_dir=CACHE_DIR, base_url=HF_URL):
     """Write the weights-only checkpoint of SRC (see the module docstring) to out; return its summary."""
-    if is_sharded(src):  # train.py --fsdp=True's ckpt.dcp: streamed a tensor at a time, never whole in memory
-        state = export_sharded(src, out, f"weights-only export of {src} by convert.py")
+    if os.path.isdir(src) and not hf.is_folder(src):  # train.py --fsdp=True's ckpt.dcp: streamed a tensor at a time,
+        state = sharding.export(src, out, f"weights-only export of {src} by convert.py")  # never whole in memory
         config = GPTConfig.from_dict(state["model_config"])
         print(f"{src}: sharded checkpoint of this code: {config.name}, {config.n_layer} layers, C={config.n_embd}, "
               f"step {state['step']}; wrote {out}, {os.path.getsize(out) / 1e6:,.1f} MB")

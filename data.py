@@ -1,5 +1,6 @@
-"""Data on disk: the GPT-2 tokenizer, the binary shard format, the readers the trainer uses, atomic writes and
-JSON Lines. Nothing here touches the network (httpclient.py does), so the trainer imports no network package.
+"""Data on disk: the GPT-2 tokenizer, the binary shard format, the readers the trainer uses, and the built-in corpus
+(this Python's standard library as shards). Nothing here touches the network (httpclient.py does), so the trainer
+imports no network package.
 
 Shard format (llm.c / modded-nanogpt): a header of 256 little-endian int32 words (magic 20240520,
 version 1, token count, then zeros), followed by the tokens as little-endian uint16. A shard of
@@ -9,13 +10,11 @@ import ast
 import contextlib
 import fcntl
 import glob
-import gzip
 import hashlib
 import json
 import multiprocessing
 import os
 import shutil
-import sys
 import sysconfig
 import tempfile
 import time
@@ -25,6 +24,8 @@ import tiktoken
 import torch
 from tiktoken.load import load_tiktoken_bpe
 from tqdm import tqdm
+
+from files import atomic_write
 
 GPT2_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?!\S)|\s"""
 
@@ -44,51 +45,6 @@ def load_encoding(path=None):
         raise ValueError(f"{path}: not a readable .tiktoken ranks file ({e})") from None
     return tiktoken.Encoding(name="gpt2" if path == TOKENIZER else f"gpt2:{path}", pat_str=GPT2_PATTERN,
                              mergeable_ranks=ranks, special_tokens={"<|endoftext|>": len(ranks)})
-
-
-@contextlib.contextmanager
-def atomic_write(path, mode="wb"):
-    """Write through a temp file that is fsynced and renamed into place when the block succeeds:
-    readers never see half a file, and a crash or error leaves the previous file, if any, intact."""
-    path = str(path)
-    tmp = f"{path}.tmp{os.getpid()}"
-    try:
-        with open(tmp, mode, encoding=None if "b" in mode else "utf-8") as f:
-            yield f
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        dir_fd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)  # make the rename itself durable
-        finally:
-            os.close(dir_fd)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-
-
-def read_jsonl(path, check=None):
-    """The JSON values of a JSON Lines file (gzipped if it ends in .gz), one per non-blank line, as they are read.
-    A last line that is not JSON and has no newline was cut by a crash mid-write (train.py's log.jsonl, say): it
-    is skipped with a note. Any other bad line is an error naming it, as is check(value) when it returns what
-    is wrong with a value (None when it is right)."""
-    with (gzip.open if str(path).endswith(".gz") else open)(path, "rt", encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                value = json.loads(line)
-            except ValueError as e:
-                if not line.endswith("\n"):
-                    print(f"note: {path}:{n}: the last line is cut short (a crash mid-write?), skipped",
-                          file=sys.stderr)
-                    return
-                raise ValueError(f"{path}:{n}: not valid JSON ({e})") from None
-            problem = check(value) if check else None
-            if problem:
-                raise ValueError(f"{path}:{n}: {problem}")
-            yield value
 
 
 # ----------------------------------------------------------------------------------------------

@@ -27,10 +27,12 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from checkpoint import Runtime, check_checkpoint, load_model
-from data import atomic_write, load_encoding, read_jsonl
+from checkpoint import check_checkpoint, load_model
+from data import load_encoding
+from files import atomic_write, read_jsonl
 from httpclient import DownloadError, get_json
 from model import generate
+from parallel import Runtime
 
 # -----------------------------------------------------------------------------
 # The tasks: one small function per task turns a dataset row into (question, choices, gold)
@@ -273,7 +275,7 @@ def evaluate_task(task, docs, pool, enc, model, shots=5, batch_size=32, dtype=to
 # -----------------------------------------------------------------------------
 # lm-evaluation-harness: any of its tasks on a checkpoint. Optional: only HarnessLM needs lm-eval installed.
 
-HARNESS_PIP = "lm-eval==0.4.13"  # the version .ci/run tests against
+HARNESS_PIP = "pip install -r requirements-test.txt"  # the optional packages, lm-eval among them, at the versions tested
 MAX_GEN_TOKS = 256  # the harness's default max_gen_toks (lm_eval's HFLM)
 
 
@@ -295,7 +297,7 @@ class HarnessModel:
       generate_until         model.py's generate with its KV cache, one request at a time, ended by the stop
                              sequences (and <|endoftext|>); greedy unless do_sample with a temperature.
     Every result also goes to the harness's cache hook (its use_cache). Device and autocast dtype as in eval.py
-    (checkpoint.Runtime). Document masking, with which the checkpoint may have been trained
+    (parallel.Runtime). Document masking, with which the checkpoint may have been trained
     (checkpoint.trained_doc_mask), changes nothing here: a request's only <|endoftext|> is its first token, the
     harness's prefix, if any, and a window whose only <|endoftext|> comes first is a single document."""
 
@@ -364,7 +366,7 @@ def harness_class():
     try:
         from lm_eval.api.model import LM
     except ImportError:
-        raise ImportError(f"lm-evaluation-harness is not installed (pip install {HARNESS_PIP})") from None
+        raise ImportError(f"lm-evaluation-harness is not installed ({HARNESS_PIP})") from None
 
     class HarnessLM(HarnessModel, LM):
         __doc__ = HarnessModel.__doc__
@@ -464,7 +466,7 @@ def parse_args(argv=None):
                                   "--to_hf) or a Hub repository OWNER/NAME holding one")
     p.add_argument("--tasks", default=None, help="comma-separated subset of: " + ", ".join(TASKS) + " (default: all)")
     p.add_argument("--harness", metavar="TASKS", default=None,
-                   help=f"run these lm-evaluation-harness tasks (comma-separated) with lm-eval itself ({HARNESS_PIP})")
+                   help="run these lm-evaluation-harness tasks (comma-separated) with lm-eval itself (requirements-test.txt)")
     p.add_argument("--include_path", metavar="DIR", default=None, help="--harness: a folder of extra task YAMLs")
     p.add_argument("--limit", type=int, default=None, help="evaluate only the first N docs of each task")
     p.add_argument("--shots", type=int, default=None, help="few-shot examples per request (default 5, the paper's; "
@@ -523,7 +525,7 @@ def run_harness(args):
         from lm_eval.tasks import TaskManager
         from lm_eval.utils import handle_non_serializable, make_table
     except ImportError:
-        raise SystemExit(f"eval.py: error: --harness needs lm-evaluation-harness: pip install {HARNESS_PIP}")
+        raise SystemExit(f"eval.py: error: --harness needs lm-evaluation-harness: {HARNESS_PIP}")
     try:
         if args.include_path is not None and not os.path.isdir(args.include_path):
             raise ValueError(f"--include_path {args.include_path}: no such folder")

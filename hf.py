@@ -26,10 +26,11 @@ import shutil
 import struct
 from dataclasses import asdict, fields
 
-from data import GPT2_PATTERN, atomic_write
+from data import GPT2_PATTERN
+from files import atomic_write
 from model import GPTConfig
 
-PIP = "pip install transformers==5.24.0 safetensors==0.8.0 huggingface_hub==2.4.0"  # the versions .ci/run tests
+PIP = "pip install -r requirements-test.txt"  # the optional packages, these among them, at the versions tested
 WEIGHTS, CONFIG = "model.safetensors", "config.json"
 CODE = ("model.py", "modeling_exoformer.py")  # copied from this repository into every folder
 HERE = os.path.dirname(os.path.abspath(__file__))

@@ -1,16 +1,16 @@
 """
-The optimisers of the paper's recipe: Muon (Polar Express, NorMuon, cautious weight decay) for the weight
-matrices inside the network, AdamW for everything else, and the step that clips and applies both.
-train.py sets their learning rates and Muon's momentum each step (its schedule); this file holds what a step
-does with them.
+The optimisers of the paper's recipe: Muon (Nesterov momentum, Polar Express, NorMuon, cautious weight decay) for the
+weight matrices inside the network, AdamW for everything else. train.py's loop clips the gradients (clip_gradients),
+sets both optimisers' learning rates and Muon's momentum (its schedule), and steps them; Muon.update is what a step
+does with a stack of matrices, in the paper's order.
 """
 import math
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.tensor import DTensor, Shard
-from torch.distributed.tensor import zeros as distributed_zeros
+
+import sharding
 
 # Polar Express coefficients (a, b, c) of the 5 iterations (Amsel et al., 2025, as the authors' train.py uses them)
 POLAR_EXPRESS = [
@@ -24,6 +24,102 @@ POLAR_SAFETY = 1.02  # dividing by the Frobenius norm (>= the spectral one) puts
 POLAR_EPS = 1e-6  # 2% more keeps them there through bf16 rounding, and eps guards a zero matrix (both: the
 #                   authors' train.py, after Amsel et al., 2025)
 NORMUON_EPS = 1e-10  # ours: a row (or column) whose update is all zero is divided by this, not by 0
+
+
+class Muon(torch.optim.Optimizer):
+    """Muon for the weight matrices. The matrices of one shape are updated as one stack (k, rows, cols), with foreach
+    ops for the momentum: the same ops whatever k, so that a step of the 450M dyn_exo layout dispatches 774 aten ops,
+    not 4,664 (one set per matrix: tiny kernels a GPU waits to launch). The state stays per matrix (the checkpoint
+    format). Under DDP each rank orthogonalises only its share of every stack and all-gathers the results; the cheap
+    elementwise work runs on every rank, so parameters and optimiser state stay identical everywhere (and
+    checkpointable from rank 0). Under FSDP each matrix's owner runs steps 2 and 3 on it whole (sharding.Exchange).
+    The weight decay is lr · wd, as in the authors' train.py (modded-nanogpt scales its own by lr² instead)."""
+
+    def __init__(self, params, lr, momentum, beta2, weight_decay, rank=0, world_size=1):
+        super().__init__(params, dict(lr=lr, momentum=momentum, beta2=beta2, weight_decay=weight_decay))
+        self.rank, self.world_size = rank, world_size  # DDP's: each rank orthogonalises a share of every stack
+
+    @torch.no_grad()
+    def step(self, closure=None):  # closure: the Optimizer API's (torch's state-dict functions pass None)
+        for group in self.param_groups:
+            by_shape = {}
+            for p in group["params"]:
+                if p.grad is not None:
+                    by_shape.setdefault(p.shape, []).append(p)
+            stacks = list(by_shape.values())
+            # under FSDP all stacks together, so that one all-to-all each way carries every matrix; else one stack at
+            # a time, its temporaries freed before the next
+            for batch in [stacks] if stacks and sharding.is_sharded(stacks[0][0]) else [[s] for s in stacks]:
+                self.update(batch, group)
+
+    def update(self, stacks, group):
+        """Muon's update of stacks of same-shaped matrices (each a list of parameters), its four steps in order."""
+        lr, mu, beta2, wd = group["lr"], group["momentum"], group["beta2"], group["weight_decay"]
+        states = [[self._state(p) for p in params] for params in stacks]
+        moments = [sharding.local([s["second_moment"] for s in stack]) for stack in states]
+        # 1. Nesterov momentum, as an EMA: m <- μ·m + (1-μ)·g, and the update g + μ·(m - g) looks one step further
+        #    along it. Elementwise, so under FSDP each rank runs it on its own rows.
+        updates = []
+        for params, stack in zip(stacks, states):
+            grads, momenta = sharding.local([p.grad for p in params]), sharding.local([s["momentum"] for s in stack])
+            torch._foreach_lerp_(momenta, grads, 1 - mu)
+            updates.append(torch._foreach_lerp(grads, momenta, mu))
+        # Steps 2 and 3 take whole matrices, each stack as one tensor (k, rows, cols): here all of them; under FSDP the
+        # ones this rank owns, their rows gathered from every rank, and the results sent back after step 3
+        exchange = sharding.Exchange(stacks, [[s["second_moment"] for s in stack] for stack in states]) \
+            if sharding.is_sharded(stacks[0][0]) else Unsharded
+        whole = exchange.to_owners(updates, moments)
+        for w in whole:
+            # 2. Polar Express: the nearest orthogonal matrix, U Vᵀ of the update's SVD, approximately, in bf16
+            o = self._gather(polar_express(self._share(w[0])), len(w[0])).float()
+            # 3. NorMuon: each row (or column) divided by the RMS of its history (the second moment w[1], updated in
+            #    place), rescaled to the orthogonalised update's norm, then the shape scaling
+            w[0] = normuon(o, w[1], beta2)
+        # 4. Cautious weight decay and the step: p -= lr·wd·p only where the update moves p towards 0, then
+        #    p -= lr·update. Elementwise: under FSDP each rank on its own rows.
+        for params, (normed, v), moment in zip(stacks, exchange.from_owners(whole), moments):
+            p = torch.stack(sharding.local(params))
+            p.sub_(lr * wd * (normed * p >= 0) * p)
+            p.sub_(lr * normed)
+            torch._foreach_copy_(sharding.local(params), p.unbind(0))
+            torch._foreach_copy_(moment, v.unbind(0))
+
+    def _state(self, p):
+        state = self.state[p]
+        if not state:
+            state["momentum"] = torch.zeros_like(p)
+            state["second_moment"] = sharding.zeros(moment_shape(*p.shape), like=p)  # sharded like p under FSDP
+        return state
+
+    def _share(self, stack):
+        """This rank's share of a stack of matrices (k, rows, cols) under DDP, padded with zero matrices so that every
+        rank's is the same size; the whole stack in one process (and under FSDP, whose owners hold whole stacks)."""
+        if self.world_size == 1:
+            return stack
+        share = math.ceil(len(stack) / self.world_size)
+        mine = stack[self.rank * share:(self.rank + 1) * share]
+        return torch.cat([mine, mine.new_zeros(share - len(mine), *mine.shape[1:])]) if len(mine) < share else mine
+
+    def _gather(self, share, k):
+        """Every rank's share of a stack of k matrices (DDP), back as the whole stack."""
+        if self.world_size == 1:
+            return share
+        parts = [torch.empty_like(share) for _ in range(self.world_size)]
+        dist.all_gather(parts, share)
+        return torch.cat(parts)[:k]
+
+
+class Unsharded:
+    """Where steps 2 and 3 find whole matrices when every rank holds them (one process, DDP): each stack as one
+    tensor, here. (sharding.Exchange is FSDP's, with the same two methods.)"""
+
+    @staticmethod
+    def to_owners(updates, moments):
+        return [[torch.stack(u), torch.stack(v)] for u, v in zip(updates, moments)]
+
+    @staticmethod
+    def from_owners(whole):
+        return whole
 
 
 def polar_express(G):
@@ -47,7 +143,7 @@ def moment_shape(rows, cols):
 def normuon(o, v, beta2):
     """The update of orthogonalised matrices o (k, rows, cols), fp32: NorMuon's normalisation by the second moments
     v (k, rows, 1) or (k, 1, cols), which it updates in place, rescaled to each matrix's own norm, then the shape
-    scaling. The one code path of every layout: one process, DDP, and the owners of whole matrices under FSDP."""
+    scaling."""
     rows, cols = o.shape[-2:]
     v.lerp_(o.square().mean(dim=-1 if rows >= cols else -2, keepdim=True), 1 - beta2)
     normed = o * v.clamp_min(NORMUON_EPS).rsqrt()
@@ -57,183 +153,7 @@ def normuon(o, v, beta2):
     return normed
 
 
-def cautious_step(p, normed, lr, wd):
-    """The cautious weight decay, p -= lr · wd · p only where the update already moves the weight towards zero,
-    then p -= lr · normed. Elementwise, so a shard of p takes the same shard of normed."""
-    p.sub_(lr * wd * (normed * p >= 0) * p)
-    p.sub_(lr * normed)
-
-
-class Muon(torch.optim.Optimizer):
-    """Muon for the weight matrices: Nesterov momentum (EMA form), Polar Express, NorMuon second
-    moment, shape scaling, cautious weight decay. The matrices of one shape are updated as one stack
-    (k, rows, cols), with foreach ops for the momentum: the same ops whatever k, so that a step of the 450M
-    dyn_exo layout dispatches 779 aten ops, not 4,664 (one set per matrix: tiny kernels a GPU waits to launch).
-    Under DDP each rank orthogonalises only its share of every stack and all-gathers the results; the cheap
-    elementwise work runs on every rank, so parameters and optimiser state stay identical everywhere (and
-    checkpointable from rank 0). Under FSDP (parameters that are DTensors) see _step_sharded. The weight decay is
-    lr · wd, as in the authors' train.py (modded-nanogpt scales its own by lr² instead)."""
-
-    def __init__(self, params, lr, momentum, beta2, weight_decay, rank=0, world_size=1):
-        super().__init__(params, dict(lr=lr, momentum=momentum, beta2=beta2, weight_decay=weight_decay))
-        self.rank, self.world_size = rank, world_size
-
-    def _orthogonalize(self, updates):
-        """Polar Express of same-shaped matrices, as one stack (k, rows, cols), each rank doing its share."""
-        share = math.ceil(len(updates) / self.world_size)
-        mine = list(updates[self.rank * share:(self.rank + 1) * share])
-        mine += [torch.zeros_like(updates[0])] * (share - len(mine))  # pad so all ranks gather equal sizes
-        result = polar_express(torch.stack(mine))
-        if self.world_size > 1:
-            parts = [torch.empty_like(result) for _ in range(self.world_size)]
-            dist.all_gather(parts, result)
-            result = torch.cat(parts)[:len(updates)]
-        return result
-
-    @torch.no_grad()
-    def step(self, closure=None):  # closure: the Optimizer API's (torch's state-dict functions pass None)
-        for group in self.param_groups:
-            params = [p for p in group["params"] if p.grad is not None]
-            if params and isinstance(params[0], DTensor):
-                self._step_sharded(params, group)
-                continue
-            by_shape = {}
-            for p in params:
-                by_shape.setdefault(p.shape, []).append(p)
-            for stack in by_shape.values():
-                self._step_stack(stack, group)
-
-    def _step_stack(self, params, group):
-        """One step of same-shaped matrices; the state stays per matrix (the checkpoint format)."""
-        mu, lr, wd = group["momentum"], group["lr"], group["weight_decay"]
-        states = [self.state[p] for p in params]
-        for p, state in zip(params, states):
-            if not state:
-                state["momentum"] = torch.zeros_like(p)
-                state["second_moment"] = torch.zeros(moment_shape(*p.shape), device=p.device)
-        grads, momenta = [p.grad for p in params], [s["momentum"] for s in states]
-        torch._foreach_lerp_(momenta, grads, 1 - mu)
-        u = self._orthogonalize(torch._foreach_lerp(grads, momenta, mu)).float()  # Nesterov
-        v = torch.stack([s["second_moment"] for s in states])  # (k, rows, 1) or (k, 1, cols)
-        normed = normuon(u, v, group["beta2"])
-        p = torch.stack(params)
-        cautious_step(p, normed, lr, wd)
-        torch._foreach_copy_(params, p.unbind(0))
-        torch._foreach_copy_([s["second_moment"] for s in states], v.unbind(0))
-
-    def _step_sharded(self, params, group):
-        """One step of FSDP's sharded matrices (DTensors, rows split over the ranks), equal to the unsharded one
-        (orthogonalising each shard alone would not be). The momentum runs on this rank's shards; one all-to-all
-        brings each matrix's owner (assign_owners) the shards of its Nesterov update and second moment; the owner
-        runs the unsharded update on its whole matrices, stacked by shape (polar_express, normuon); a second
-        all-to-all returns each rank its rows of the result, which it applies to its rows of the weights.
-        The states are DTensors sharded like their parameters, so that DCP reshards them."""
-        mesh, mu = params[0].device_mesh, group["momentum"]
-        states = [self.state[p] for p in params]
-        for p, state in zip(params, states):
-            if not state:
-                state["momentum"] = torch.zeros_like(p)
-                state["second_moment"] = distributed_zeros(moment_shape(*p.shape), device_mesh=mesh,
-                                                           placements=[Shard(0)])
-        grads, momenta = [p.grad.to_local() for p in params], [s["momentum"].to_local() for s in states]
-        torch._foreach_lerp_(momenta, grads, 1 - mu)
-        moments = [s["second_moment"].to_local() for s in states]
-        shapes = [[tuple(p.shape), moment_shape(*p.shape)] for p in params]
-        owners = assign_owners([s for s, _ in shapes], mesh.size())
-        exchange = Exchange(shapes, owners, mesh.get_local_rank(), mesh.size(), mesh.get_group(),
-                            grads[0].device)
-        whole = exchange.to_owners(list(zip(torch._foreach_lerp(grads, momenta, mu), moments)))  # Nesterov
-        results = {}
-        for idx in by_shape(whole, shapes):
-            v = torch.stack([whole[i][1] for i in idx])
-            normed = normuon(polar_express(torch.stack([whole[i][0] for i in idx])).float(), v, group["beta2"])
-            results.update({i: (normed[j], v[j]) for j, i in enumerate(idx)})
-        mine = exchange.from_owners(results)  # this rank's rows of every matrix's (update, second moment)
-        for idx in by_shape(range(len(params)), shapes):
-            p = torch.stack([params[i].to_local() for i in idx])
-            cautious_step(p, torch.stack([mine[i][0] for i in idx]), group["lr"], group["weight_decay"])
-            torch._foreach_copy_([params[i].to_local() for i in idx], p.unbind(0))
-            torch._foreach_copy_([moments[i] for i in idx], [mine[i][1] for i in idx])
-
-
-# ----------------------------------------------------------------------------- Muon under FSDP: whole matrices
-
-def chunk_rows(n, world):
-    """The rows of each rank's shard of n rows, as FSDP and DTensor's Shard(0) split them: torch.chunk's chunks of
-    ceil(n / world) rows, then empty ones."""
-    size = -(-n // world)
-    return [max(0, min(size, n - r * size)) for r in range(world)]
-
-
-def assign_owners(shapes, world):
-    """The rank that orthogonalises each matrix, balanced by cost: the costliest first, each to the rank with the
-    least so far (Polar Express on m x n, m <= n: ~2m²n + m³ multiply-adds an iteration; the all-to-all bytes
-    follow m·n, in the same order). The same answer on every rank."""
-    cost = [min(s) ** 2 * (2 * max(s) + min(s)) for s in shapes]
-    load, owners = [0] * world, [0] * len(shapes)
-    for i in sorted(range(len(shapes)), key=lambda i: -cost[i]):
-        owners[i] = min(range(world), key=lambda r: load[r])
-        load[owners[i]] += cost[i]
-    return owners
-
-
-def by_shape(indices, shapes):
-    """The indices grouped by their matrix's shape, in order: one stack each."""
-    groups = {}
-    for i in indices:
-        groups.setdefault(shapes[i][0], []).append(i)
-    return groups.values()
-
-
-class Exchange:
-    """The two all-to-alls of a sharded Muon step. Matrix i is k tensors of shapes[i] (its update and its second
-    moment), each sharded by rows over the ranks (chunk_rows); owners[i] is the rank that gets it whole."""
-
-    def __init__(self, shapes, owners, rank, world, group, device):
-        self.shapes, self.owners, self.rank, self.world, self.group, self.device = \
-            shapes, owners, rank, world, group, device
-        self.mine = [i for i, owner in enumerate(owners) if owner == rank]
-        self.k = len(shapes[0])
-
-    def _shard_shapes(self, i, r):
-        """Rank r's shards of the tensors of matrix i."""
-        return [(chunk_rows(s[0], self.world)[r], *s[1:]) for s in self.shapes[i]]
-
-    def _swap(self, outgoing, incoming):
-        """One all_to_all_single: outgoing[r], the tensors for rank r; incoming[r], the shapes of those rank r
-        sends here. Returns what each rank sent, shaped."""
-        out_sizes = [sum(t.numel() for t in ts) for ts in outgoing]
-        send = torch.cat([t.reshape(-1) for ts in outgoing for t in ts] or [torch.zeros(0, device=self.device)])
-        in_sizes = [sum(math.prod(s) for s in shapes) for shapes in incoming]
-        received = send.new_empty(sum(in_sizes)) if self.world > 1 else send  # one rank: it sends to itself
-        if self.world > 1:
-            dist.all_to_all_single(received, send, in_sizes, out_sizes, group=self.group)
-        return [[t.view(s) for t, s in zip(part.split([math.prod(s) for s in shapes]), shapes)]
-                for part, shapes in zip(received.split(in_sizes), incoming)]
-
-    def to_owners(self, parts):
-        """parts[i]: this rank's shards of matrix i's tensors. Returns {i: its whole tensors} of the matrices this
-        rank owns, every rank's rows in rank order."""
-        outgoing = [[t for i, o in enumerate(self.owners) if o == r for t in parts[i]] for r in range(self.world)]
-        incoming = [[s for i in self.mine for s in self._shard_shapes(i, r)] for r in range(self.world)]
-        received = self._swap(outgoing, incoming)
-        return {i: [torch.cat([received[r][n * self.k + j] for r in range(self.world)]) for j in range(self.k)]
-                for n, i in enumerate(self.mine)}
-
-    def from_owners(self, results):
-        """results: {i: whole tensors} of the matrices this rank owns. Returns this rank's rows of every matrix's
-        tensors, [[tensors] for each i], each from its owner."""
-        pieces = {i: [t.split(chunk_rows(t.shape[0], self.world)) for t in results[i]] for i in self.mine}
-        outgoing = [[parts[r] for i in self.mine for parts in pieces[i]] for r in range(self.world)]
-        incoming = [[s for i, o in enumerate(self.owners) if o == r for s in self._shard_shapes(i, self.rank)]
-                    for r in range(self.world)]
-        received, seen = self._swap(outgoing, incoming), [0] * self.world
-        mine = []
-        for owner in self.owners:  # each owner's matrices arrive in index order
-            mine.append(received[owner][seen[owner]:seen[owner] + self.k])
-            seen[owner] += self.k
-        return mine
-
+# ----------------------------------------------------------------------------- which parameter goes where
 
 def muon_params(model):
     """The trained weights of the nn.Linear layers inside the network: every one but lm_head's."""
@@ -241,15 +161,18 @@ def muon_params(model):
     return [p for p in model.parameters() if id(p) in linear and p.requires_grad]  # a shared tensor is listed once
 
 
-def configure_optimizers(model, cfg, rank=0, world_size=1):
+def build_optimizers(model, cfg, rank=0, world_size=1):
     """Muon for the weights of the nn.Linear layers inside the network (blocks, anchor_proj, dynamic MLPs):
     maps from one hidden vector to another, which is what Muon's orthogonalised update suits. AdamW for
     everything else: the embedding, lm_head (its output is the vocabulary, not a hidden vector), norm
     weights, biases, λ, and any parameter a fork adds outside nn.Linear, whatever its shape. A frozen
-    parameter (requires_grad=False: anchor_frozen) is in neither. cfg: train.py's TrainConfig (its keys)."""
+    parameter (requires_grad=False: anchor_frozen) is in neither. cfg: train.py's TrainConfig (its keys); rank and
+    world_size: DDP's (a sharded model's owners hold whole matrices: no share)."""
     muon = muon_params(model)
     adam = [p for p in model.parameters() if id(p) not in set(map(id, muon)) and p.requires_grad]
     fused = {"fused": True} if next(model.parameters()).is_cuda else {}
+    if muon and sharding.is_sharded(muon[0]):
+        rank, world_size = 0, 1
     return [Muon(muon, cfg.muon_lr, cfg.muon_momentum, cfg.muon_beta2, cfg.muon_weight_decay, rank, world_size),
             torch.optim.AdamW(adam, lr=cfg.adam_lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
                               weight_decay=cfg.adam_weight_decay, **fused)]
@@ -266,10 +189,7 @@ def describe_optimizers(optimizers, model=None):
         for n, k in frozen)
 
 
-def step_optimizers(model, optimizers, grad_clip):
-    """Clip the global gradient norm, step both optimisers, clear the gradients; return the norm."""
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)  # FSDP: from the shards, a DTensor
-    for opt in optimizers:
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    return (grad_norm.full_tensor() if isinstance(grad_norm, DTensor) else grad_norm).item()
+def clip_gradients(model, max_norm):
+    """Clip the global gradient norm to max_norm; return the norm before clipping (a sharded model's is summed from
+    its shards)."""
+    return sharding.full_value(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)).item()

@@ -1,11 +1,10 @@
 """
-The processes of a run: joining the process group under torchrun, each worker's device, spreading the model over
-the workers (DDP, or FSDP for models beyond one GPU's memory), and stopping together: on a signal, with exit
-status 75; on a failed collective, in one line.
+The processes of a run: joining the process group under torchrun, each worker's device and precision, spreading the
+model over the workers (DDP; sharding.py has FSDP's, for models beyond one GPU's memory), and stopping together: on a
+signal, with exit status 75; on a failed collective, in one line.
 
     with parallel.join(cfg) as worker:                  # one process, or one of torchrun's
         model = parallel.data_parallel(model, worker)   # DDP when there are several
-        model = parallel.fully_shard_model(model, worker)   # or FSDP2: each rank holds a shard of everything
         ...
     # the process group has ended here, after the DDP wrappers that nothing holds were freed
 
@@ -18,19 +17,49 @@ import os
 import re
 import signal
 import sys
-import warnings
 from dataclasses import dataclass, replace
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from checkpoint import Runtime
 from model import triton_available
 
+
+# ----------------------------------------------------------------------------- where a model runs
+
+@dataclass(frozen=True)
+class Runtime:
+    """Where a model runs and in what precision. The defaults: CUDA if there is a GPU; bf16 autocast on CUDA (the
+    weights stay fp32), fp32 on a CPU (its bf16 matmuls are slow)."""
+    device: str
+    dtype: torch.dtype
+
+    @classmethod
+    def pick(cls, device=None, dtype=None, quiet=False):
+        """device: 'cpu', 'cuda', 'cuda:1' or None (auto); dtype: 'float32', 'bfloat16', 'float16' or None. A GPU
+        without bf16 (older than sm80) gets float32 for None, with one line on stderr (none when quiet)."""
+        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        cuda = device.startswith("cuda") and torch.cuda.is_available()
+        if dtype is None and cuda and not torch.cuda.is_bf16_supported(including_emulation=False):
+            if not quiet:
+                print(f"note: {torch.cuda.get_device_name(device)} has no bfloat16 (older than sm80): float32",
+                      file=sys.stderr, flush=True)
+            dtype = "float32"
+        dtype = dtype or ("bfloat16" if device.startswith("cuda") else "float32")
+        if dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype={dtype!r}: expected 'float32', 'bfloat16' or 'float16'")
+        return cls(device, getattr(torch, dtype))
+
+    def autocast(self):
+        """The forward pass's autocast context (none for float32)."""
+        if self.dtype == torch.float32:
+            return contextlib.nullcontext()
+        return torch.autocast(torch.device(self.device).type, dtype=self.dtype)
+
+
+# ----------------------------------------------------------------------------- the processes
 
 def attempt_store(world_size, timeout):
     """The process group's rendezvous keys, under a prefix of this torchrun attempt; None outside torchrun (then
@@ -156,38 +185,8 @@ def data_parallel(model, worker, bucket_mb=DDP_BUCKET_MB):
 
 def gradient_sync(model, last):
     """The context of one micro-step's backward: under DDP gradients are all-reduced on the last micro-step only
-    (no_sync before it), so accumulation costs one all-reduce per optimiser step. FSDP reduce-scatters every
-    micro-step's gradients into the shards (its default, as torchtitan's): holding them unsharded until the last
-    (set_requires_gradient_sync(False)) would keep 4 bytes a parameter on every rank, what FSDP is there to save."""
+    (no_sync before it), so accumulation costs one all-reduce per optimiser step."""
     return model.no_sync() if isinstance(model, DDP) and not last else contextlib.nullcontext()
-
-
-def fully_shard_model(model, worker):
-    """model (built on the CPU) sharded in place with FSDP2 over the worker's ranks, each unit moved to its device
-    as it is sharded: every block, the embedding and the anchor projection are units of their own, gathered for
-    their forward and backward only; the root unit holds the rest (lm_head, ln_f, the anchor norms): the loss reads
-    lm_head's weight instead of calling the module (model.LMHeadLoss), so a unit of its own would never be gathered.
-    Blocks are compiled one by one, as torchtitan does, when the worker compiles. In bf16 (CUDA's default)
-    the parameters are gathered in bf16 and the gradients reduced in fp32 (MixedPrecisionPolicy); the shards, what
-    the optimisers update, stay fp32."""
-    mesh = init_device_mesh(torch.device(worker.device).type, (worker.world_size,))
-    bf16 = worker.runtime.dtype == torch.bfloat16
-    shard = dict(mesh=mesh, mp_policy=MixedPrecisionPolicy(torch.bfloat16, torch.float32) if bf16 else
-                 MixedPrecisionPolicy())
-    config = model.config
-    # a block returns its projections as views (for internal anchors), which FSDP warns of in case they are changed
-    # in place: nothing does that
-    warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
-    for i, block in enumerate(model.blocks):
-        if worker.compile:
-            model.blocks[i] = block = torch.compile(block)
-        # internal anchors pass layer 1's QK-norm after layer 1 has run (GPT.normalize): keep that unit gathered
-        fully_shard(block, **shard, reshard_after_forward=not (i == 0 and config.anchor == "internal"
-                                                                 and config.anchor_norm))
-    for unit in (model.wte, model.anchor_proj):
-        if unit is not None:
-            fully_shard(unit, **shard)
-    return fully_shard(model, **shard)
 
 
 # ----------------------------------------------------------------------------- stopping together

@@ -21,7 +21,8 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 import numpy as np
 from tqdm import tqdm
 
-from data import build_corpus, encoder, load_encoding, read_header, read_jsonl, write_shard
+from data import build_corpus, encoder, load_encoding, read_header, write_shard
+from files import read_jsonl
 from httpclient import ByteBar, DownloadError, download_file
 
 BASE_URL = "https://huggingface.co/datasets/kjj0/finewebedu10B-gpt2/resolve/main"

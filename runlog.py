@@ -15,8 +15,7 @@ import os
 
 import torch.distributed as dist
 
-from checkpoint import disk_plan, is_own
-from data import atomic_write, read_jsonl
+from files import atomic_write, read_jsonl
 from model import flops_per_token
 from optim import describe_optimizers
 
@@ -71,6 +70,7 @@ class Log:
     def __exit__(self, *exc):
         if self.file is not None:
             self.file.close()
+        self.run = None  # a closed log holds nothing of the run (its DDP wrapper must not outlive the process group)
 
     def record(self, entry):
         if self.file is not None:
@@ -110,7 +110,7 @@ class Log:
                  (", ".join(f"{k}={v!r}" for k, v in changed.items()) or "none"))
         self.say(describe_optimizers(run.optimizers, run.model))
         if run.step:
-            branch = "" if is_own(run.started_from, cfg.out_dir) else f" (a branch, into {cfg.out_dir})"
+            branch = f" (a branch, into {cfg.out_dir})" if run.branched else ""
             self.say(f"resuming from {run.started_from} at step {run.step}{branch}")
         self.say(f"{run.model.num_params():,} parameters, {worker.world_size} process(es) x {run.accum} micro-step(s) "
                  f"x {cfg.batch_size} x {run.model.config.block_size} tokens, {worker.device}, compile={worker.compile}"
@@ -128,8 +128,8 @@ class Log:
         if worker.master:
             kept = (cfg.max_steps // cfg.keep_every - run.step // cfg.keep_every) if cfg.keep_every else 0
             full = sum(s > run.step for s in cfg.keep_full)
-            self.say(disk_plan(cfg.out_dir, run.model, run.optimizers, cfg.ckpt_interval, kept, cfg.keep_every, full,
-                               run.ckpt_path))
+            self.say(disk_plan(run.ckpt_path, run.model, run.optimizers, cfg.ckpt_interval, kept, cfg.keep_every,
+                               full))
 
 
 def step_seconds(times, n):
@@ -137,3 +137,20 @@ def step_seconds(times, n):
     there is: it holds torch.compile's compilation (and the allocator's warm-up), which is not a step's cost."""
     window = (times[1:] or times)[-n:]
     return sum(window) / len(window)
+
+
+def disk_plan(path, model, optimizers, ckpt_interval, kept=0, keep_every=0, full=0):
+    """One line: what a run's checkpoints will take on disk (the resume one, path, every ckpt_interval steps, `kept`
+    weights-only ones every keep_every, `full` resumable ones of keep_full), and what the disk has free there."""
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    muon, adam = (sum(p.numel() for g in opt.param_groups for p in g["params"]) for opt in optimizers)
+    resume = weights + 4 * muon + 8 * adam  # + Muon's momentum, AdamW's two moments (fp32)
+    out_dir = os.path.dirname(os.path.abspath(path))
+    os.makedirs(out_dir, exist_ok=True)
+    stat = os.statvfs(out_dir)
+    gb = lambda n: f"{n / 1e9:,.2f} GB"
+    return (f"checkpoints: {path} ~{gb(resume)}, every {ckpt_interval} steps" +
+            (f"; {kept} weights-only ckpt_<step>.pt of ~{gb(weights)} (every {keep_every} steps): "
+             f"{gb(kept * weights)} more" if keep_every else "") +
+            (f"; {full} resumable ckpt_<step>_full.pt (keep_full): {gb(full * resume)} more" if full else "") +
+            f"; {gb(stat.f_bavail * stat.f_frsize)} free there")

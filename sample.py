@@ -12,9 +12,10 @@ import time
 
 import torch
 
-from checkpoint import Runtime, load_model
+from checkpoint import load_model
 from data import load_encoding
 from model import generate
+from parallel import Runtime
 
 
 def parse_args(argv=None):

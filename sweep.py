@@ -27,9 +27,10 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from checkpoint import checkpoint_path, full_path, load_checkpoint
+from checkpoint import branch_path, checkpoint_path, load_checkpoint
 from configurator import read_args
-from data import atomic_write, find_shards, is_corpus
+from data import find_shards, is_corpus
+from files import atomic_write
 from model import GPTConfig
 from parallel import PREEMPTED
 from runlog import log_path, read_log, val_curve
@@ -50,7 +51,7 @@ class Run:
         self.variant, self.files, self.seed, self.budget, self.max_steps = variant, files, seed, budget, max_steps
         self.name = f"{variant}{'' if budget == 1 else f'_b{budget:g}'}_s{seed}"
         self.dir = os.path.join(out_dir, self.name)
-        self.parent, self.waits_for = parent, parent and full_path(parent.dir, point)
+        self.parent, self.waits_for = parent, parent and branch_path(parent.dir, point)
         if budget != 1:  # its own max_steps, in place of any given
             overrides = [a for a in overrides if not a.startswith("--max_steps=")] + [f"--max_steps={max_steps}"]
         keep = [f"--keep_full={','.join(map(str, keep_full))}"] if keep_full else []
@@ -154,7 +155,7 @@ def check_run(args):
     """The TrainConfig that args give a new train.py run, checked as train.py checks it before it runs one process:
     keys, types, the model and the batch layout (no file is read but the config files)."""
     cfg, model_config = split_config({**ALL_DEFAULTS, **read_args(args, ALL_DEFAULTS)})
-    cfg.micro_steps(model_config, 1)
+    cfg.check(model_config, 1)
     return cfg
 
 

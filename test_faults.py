@@ -17,7 +17,7 @@ import torch
 
 import analyze
 import train
-from checkpoint import load_checkpoint, load_model, save_checkpoint, weights_only
+from checkpoint import WEIGHTS, load_checkpoint, load_model, save_checkpoint
 from test_train import ROOT, SMALL, assert_same_run, data_dir, read_log  # noqa: F401  (data_dir: the toy shards fixture)
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
@@ -249,7 +249,7 @@ def test_auto_on_an_empty_directory_a_finished_run_and_another_models_checkpoint
     assert code == 1 and err.strip().splitlines()[-1].startswith(f"train.py: error: {out}/ckpt.pt: its model has ")
     assert {f: os.stat(os.path.join(out, f)).st_mtime_ns for f in os.listdir(out)} == before
     # a weights-only copy in its place cannot be resumed: refused too
-    save_checkpoint(f"{out}/ckpt.pt", weights_only(load_checkpoint(f"{out}/ckpt.pt", ())))
+    save_checkpoint(f"{out}/ckpt.pt", {k: v for k, v in load_checkpoint(f"{out}/ckpt.pt", ()).items() if k in WEIGHTS})
     with pytest.raises(SystemExit, match="no optimizers, loader, rng in this checkpoint; a run resumes from"):
         train.main(common[:-1] + ["--max_steps=6", "--init_from=auto"])
 

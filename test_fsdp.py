@@ -1,4 +1,4 @@
-"""Tests of sharded training: FSDP2 (parallel.fully_shard_model) against DDP, Muon on whole matrices under FSDP
+"""Tests of sharded training: FSDP2 (sharding.fully_shard_model) against DDP, Muon on whole matrices under FSDP
 (optim.py), and sharded checkpoints (DCP, checkpoint.py): resharding on resume from 2 ranks to 1 and to 4, a
 kill -9 under --max-restarts, a full disk mid-write, a swap cut short, the weights-only export. gloo on the CPU,
 1 to 4 processes; what needs NCCL and bf16 on a GPU is in test_cuda.py. FSDP equals DDP here bit for bit: the same
@@ -7,6 +7,7 @@ code on whole matrices), until the gradient clip acts: torch's clip_grad_norm_ s
 another order, and the last bit of its coefficient then differs."""
 import copy
 import errno
+import json
 import os
 import pickle
 import shutil
@@ -24,8 +25,9 @@ import checkpoint
 import convert
 import optim
 import parallel
+import sharding
 import train
-from checkpoint import Runtime, load_checkpoint, load_model, resume_path, sharded_state
+from checkpoint import load_checkpoint, load_model, load_resumable
 from model import GPT, GPTConfig
 from test_faults import TORCHRUN, finish, run, start, wait_for_step, workers
 from test_model import randomize, tokens, variant
@@ -96,8 +98,8 @@ def named_states(ckpt):
         return ckpt["optimizers"][0]["state"]
     with torch.device("meta"):
         net = GPT(GPTConfig(**ckpt["model_config"]))
-    optimizers = optim.configure_optimizers(net, TrainConfig())
-    return checkpoint.named_optimizer_state(net, optimizers, ckpt["optimizers"])["state"]
+    optimizers = optim.build_optimizers(net, TrainConfig())
+    return sharding.named_optimizer_state(net, optimizers, ckpt["optimizers"])["state"]
 
 
 def assert_same_state(a, b):
@@ -114,7 +116,8 @@ def assert_same_state(a, b):
 
 def final(out):
     """The resume checkpoint of a run directory, whichever kind, read whole."""
-    return load_checkpoint(resume_path(out), ("model", "model_config", "step", "optimizers", "loader", "rng"))
+    return load_checkpoint(load_resumable(out, "auto")[1], ("model", "model_config", "step", "optimizers", "loader",
+                                                              "rng"))
 
 
 def losses(out):
@@ -143,7 +146,7 @@ def stopped(data_dir, stop_script, tmp_path_factory):
     """The FSDP run at 2 ranks, killed right after its checkpoint of step 5."""
     out = str(tmp_path_factory.mktemp("stopped"))
     ok(run(torchrun(2) + [stop_script, "5", "-", *args(data_dir, out, "--fsdp=True")]))
-    assert sharded_state(f"{out}/ckpt.dcp")["step"] == 5
+    assert sharding.read_state(f"{out}/ckpt.dcp")["step"] == 5
     return out
 
 
@@ -216,7 +219,7 @@ def test_a_full_disk_during_a_sharded_checkpoint_keeps_the_previous_one(data_dir
     one_rank_group()
     train.main(common + [f"--out_dir={straight}"])
     armed, write_item = [], torch.distributed.checkpoint.filesystem._write_item
-    save_sharded = train.save_sharded
+    save_resumable = train.save_resumable
 
     def no_space(transforms, stream, *a, **kw):  # DCP's writer of one tensor into its file
         if armed:
@@ -226,8 +229,8 @@ def test_a_full_disk_during_a_sharded_checkpoint_keeps_the_previous_one(data_dir
 
     with monkeypatch.context() as m:
         m.setattr(torch.distributed.checkpoint.filesystem, "_write_item", no_space)
-        m.setattr(train, "save_sharded", lambda path, model, config, step, *a: (
-            armed.append(1) if step == 4 else None, save_sharded(path, model, config, step, *a)))
+        m.setattr(train, "save_resumable", lambda path, model, optimizers, loader, config, step, *a: (
+            armed.append(1) if step == 4 else None, save_resumable(path, model, optimizers, loader, config, step, *a)))
         one_rank_group()
         with pytest.raises(SystemExit) as e:
             train.main(common + [f"--out_dir={out}"])
@@ -235,7 +238,7 @@ def test_a_full_disk_during_a_sharded_checkpoint_keeps_the_previous_one(data_dir
     message = str(e.value)
     assert message.startswith(f"train.py: error: step 4: {out}/ckpt.dcp: No space left on device (the disk is full)")
     assert "the previous checkpoint, if any, is intact" in message and "\n" not in message
-    assert sharded_state(f"{out}/ckpt.dcp")["step"] == 2 and sorted(os.listdir(out)) == ["ckpt.dcp", "log.jsonl"]
+    assert sharding.read_state(f"{out}/ckpt.dcp")["step"] == 2 and sorted(os.listdir(out)) == ["ckpt.dcp", "log.jsonl"]
     one_rank_group()
     train.main(common + [f"--out_dir={out}"])  # room again: the same command goes on from step 2
     assert losses(out) == losses(straight)
@@ -251,7 +254,7 @@ def test_keep_full_keeps_a_sharded_branch_point_that_branches_bit_for_bit(data_d
     one_rank_group()
     train.main(common + [f"--out_dir={tmp_path / 'long'}", "--max_steps=12", "--keep_full=4"])
     point = str(tmp_path / "long" / "ckpt_000004_full.dcp")
-    assert sharded_state(point)["step"] == 4 and os.path.isdir(tmp_path / "long" / "ckpt.dcp")
+    assert sharding.read_state(point)["step"] == 4 and os.path.isdir(tmp_path / "long" / "ckpt.dcp")
     one_rank_group()
     train.main(common + [f"--out_dir={tmp_path / 'short'}", "--max_steps=8"])
     one_rank_group()
@@ -260,23 +263,29 @@ def test_keep_full_keeps_a_sharded_branch_point_that_branches_bit_for_bit(data_d
     assert_same_state(final(tmp_path / "short"), final(tmp_path / "branch"))
 
 
+RESUMABLE = {"model_config": {}, "loader": {}, "rng": {}}  # what a resume checkpoint must hold, as placeholders
+
+
 def tiny_sharded_checkpoint(path, step):
-    """A real DCP directory of one tensor and a state.json, as save_sharded writes them."""
+    """A real DCP directory of one tensor and a state.json, as sharding.save writes them."""
     with warnings.catch_warnings():  # DCP's note that it saves in this one process
         warnings.simplefilter("ignore")
         torch.distributed.checkpoint.save({"model": {"w": torch.zeros(2)}}, checkpoint_id=path, no_dist=True)
-    with open(os.path.join(path, checkpoint.SHARDED_STATE), "w") as f:
-        f.write(f'{{"step": {step}}}')
+    with open(os.path.join(path, sharding.STATE_FILE), "w") as f:
+        json.dump({"step": step, **RESUMABLE}, f)
 
 
-def test_resume_path_finishes_a_cut_swap_and_takes_the_later_of_two_kinds(tmp_path):
+def test_resuming_finishes_a_cut_swap_and_takes_the_later_of_two_kinds(tmp_path):
     out = str(tmp_path)
-    assert resume_path(out) == f"{out}/ckpt.pt" and resume_path(out, sharded=True) == f"{out}/ckpt.dcp"
-    tiny_sharded_checkpoint(f"{out}/ckpt.dcp.old", 7)  # stopped between save_sharded's two renames
-    assert resume_path(out) == f"{out}/ckpt.dcp" and sharded_state(f"{out}/ckpt.dcp")["step"] == 7
+    with pytest.raises(FileNotFoundError, match=f"{out}/ckpt.pt: no checkpoint there"):
+        load_resumable(out, "resume")
+    with pytest.raises(FileNotFoundError, match=f"{out}/ckpt.dcp: no checkpoint there"):
+        load_resumable(out, "resume", sharded=True)  # none yet: the kind this run writes
+    tiny_sharded_checkpoint(f"{out}/ckpt.dcp.old", 7)  # stopped between sharding.save's two renames
+    assert load_resumable(out, "auto")[1] == f"{out}/ckpt.dcp" and sharding.read_state(f"{out}/ckpt.dcp")["step"] == 7
     for full_step, later in ((3, "ckpt.dcp"), (9, "ckpt.pt")):  # stopped before the older kind was removed
-        torch.save({"step": full_step}, f"{out}/ckpt.pt")
-        assert resume_path(out) == f"{out}/{later}"
+        torch.save({"step": full_step, "model": {}, "optimizers": [], **RESUMABLE}, f"{out}/ckpt.pt")
+        assert load_resumable(out, "auto")[1] == f"{out}/{later}"
 
 
 class Boom:
@@ -305,7 +314,7 @@ def _join(rank, world, port, dtype=torch.float32, device="cpu"):
         torch.cuda.set_device(device)
     dist.init_process_group("nccl" if device != "cpu" else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world)
-    return parallel.Worker(rank, world, Runtime(device, dtype), compile=False, distributed=True)
+    return parallel.Worker(rank, world, parallel.Runtime(device, dtype), compile=False, distributed=True)
 
 
 def _sharded_step_worker(rank, world, port, names, result_path, device="cpu"):
@@ -316,7 +325,7 @@ def _sharded_step_worker(rank, world, port, names, result_path, device="cpu"):
     for name in names:
         torch.manual_seed(0)
         plain = randomize(GPT(variant(name)))
-        sharded = parallel.fully_shard_model(copy.deepcopy(plain), worker)
+        sharded = sharding.fully_shard_model(copy.deepcopy(plain), worker)
         plain, idx = plain.to(worker.device), tokens(plain.config).to(worker.device)
         losses = [m(idx[:, :-1], idx[:, 1:])[1] for m in (plain, sharded)]
         for loss in losses:
@@ -324,7 +333,7 @@ def _sharded_step_worker(rank, world, port, names, result_path, device="cpu"):
         named = dict(sharded.named_parameters())
         diffs = {"loss": (losses[0] - losses[1]).abs().item(), "grads": max(
             (p.grad - named[n].grad.full_tensor()).abs().max().item() for n, p in plain.named_parameters())}
-        muons = [optim.configure_optimizers(m, TrainConfig())[0] for m in (plain, sharded)]
+        muons = [optim.build_optimizers(m, TrainConfig())[0] for m in (plain, sharded)]
         gen = torch.Generator().manual_seed(1)
         for _ in range(2):
             for n, p in plain.named_parameters():
@@ -366,7 +375,7 @@ def _export_worker(rank, world, port, out, dtype):
     worker = _join(rank, world, port, dtype)
     torch.manual_seed(0)
     # vocabulary 320: more rows than the test tokenizer's 291 ids, which its Hugging Face folder carries
-    model = parallel.fully_shard_model(randomize(GPT(variant("dyn_exo", vocab_size=320))), worker)
+    model = sharding.fully_shard_model(randomize(GPT(variant("dyn_exo", vocab_size=320))), worker)
     gather, gathered, alive = DTensor.full_tensor, [], []  # weak references to every gathered tensor; how many
     #                                                         of them were alive at each gathering
 
@@ -382,8 +391,8 @@ def _export_worker(rank, world, port, out, dtype):
     checkpoint.save_weights(f"{out}/export.pt", model, {"seed": 0}, 7, "test", rank == 0)
     DTensor.full_tensor = gather
     loader = type("Loader", (), {"state_dict": lambda self: {"shard": 0}})()
-    checkpoint.save_sharded(f"{out}/ckpt.dcp", model, {"seed": 0}, 7, optim.configure_optimizers(model, TrainConfig()),
-                            loader, None, rank == 0)
+    checkpoint.save_resumable(f"{out}/ckpt.dcp", model, optim.build_optimizers(model, TrainConfig()), loader,
+                              {"seed": 0}, 7, None, rank == 0)
     if rank == 0:
         torch.save({"logits": logits, "alive": alive, "dtypes": {p.dtype for p in model.parameters()}}, f"{out}/r")
     dist.destroy_process_group()
@@ -423,7 +432,7 @@ def test_bf16_gathers_bf16_weights_and_keeps_fp32_shards(data_dir, tmp_path):
 
 def _bf16_worker(rank, port, result_path):
     worker = _join(rank, 2, port, torch.bfloat16)
-    model = parallel.fully_shard_model(GPT(variant("dyn_exo")), worker)
+    model = sharding.fully_shard_model(GPT(variant("dyn_exo")), worker)
     seen = set()
     model.blocks[0].attn.c_attn.register_forward_hook(lambda m, i, o: seen.add(m.weight.dtype))
     idx = tokens(model.config)

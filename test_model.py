@@ -1,4 +1,5 @@
 """Tests of model.py: parameter counts, causality, the paper's equivalences, training signal, compile."""
+import ast
 import glob
 import io
 import math
@@ -698,6 +699,24 @@ def test_readme_paper_to_code_table_points_at_its_lines():
             f"README.md: the row {marker!r} points at {name}:{n}, which reads {lines[int(n) - 1].strip()!r}"
 
 
+def test_each_file_imports_only_from_the_rows_above_it():
+    """README.md's file table is the import rule that holds: every module of the repository is in one row, and each
+    imports (at the top or inside a function) only modules of the rows above its own."""
+    readme = open(os.path.join(ROOT, "README.md")).read()
+    table = readme[readme.index("| file | what it holds |"):].split("\n\n")[0].splitlines()[2:]
+    rows = {name: i for i, line in enumerate(table) for name in re.findall(r"`(\w+)\.py`", line.split("|")[1])}
+    modules = {f[:-3] for f in os.listdir(ROOT) if f.endswith(".py") and not f.startswith("test_")} - {
+        "conftest", "modeling_exoformer"}  # modeling_exoformer: copied into Hugging Face folders, beside model.py
+    assert set(rows) == modules, f"README.md: the file table lacks {modules - set(rows)}, or names {set(rows) - modules}"
+    for name in modules:
+        tree = ast.parse(open(os.path.join(ROOT, name + ".py")).read())
+        imported = {a.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import) for a in node.names}
+        imported |= {node.module.split(".")[0] for node in ast.walk(tree)
+                     if isinstance(node, ast.ImportFrom) and node.module and not node.level}
+        for other in imported & modules:
+            assert rows[other] < rows[name], f"{name}.py imports {other}.py, which is not in a row above its own"
+
+
 def test_every_relative_link_of_the_docs_resolves():
     """README.md and docs/*.md link each other by file and heading: every such link names a file that exists and,
     with a #fragment, a heading of it (GitHub's anchors: lower case, spaces as hyphens, punctuation dropped)."""
@@ -720,7 +739,7 @@ def test_a_forked_variant_passes_the_generic_tests(tmp_path):
     """A fork that adds a granularity (one line in GRANULARITY_SHAPES) and a config file using it, with a
     training key in it too, runs the generic tests on it and passes them; README.md needs no change."""
     for name in ("model.py", "checkpoint.py", "hf.py", "configurator.py", "data.py", "optim.py", "parallel.py",
-                 "runlog.py", "train.py",
+                 "runlog.py", "train.py", "files.py", "sharding.py",
                  "conftest.py", "pytest.ini",
                  "test_model.py", "README.md"):
         shutil.copy(os.path.join(ROOT, name), tmp_path / name)

@@ -3,6 +3,8 @@ import contextlib
 import gc
 import json
 import os
+import shlex
+import shutil
 import signal
 import socket
 import subprocess
@@ -28,7 +30,7 @@ import optim
 import parallel
 import runlog
 import train
-from checkpoint import Runtime, load_checkpoint
+from checkpoint import load_checkpoint
 from configurator import load_config
 from data import write_shard
 from model import EOT, GPT, GPTConfig, flops_per_token
@@ -180,7 +182,7 @@ def muon_step_ops(config_file, **keys):
     cfg, model_config = train.split_config({**load_config([config_file], train.ALL_DEFAULTS), **keys})
     with torch.device("meta"):
         net = GPT(model_config)
-    muon, _ = optim.configure_optimizers(net, cfg)
+    muon, _ = optim.build_optimizers(net, cfg)
     for p in optim.muon_params(net):
         p.grad = torch.zeros_like(p)
     muon.step()  # its state made
@@ -191,7 +193,7 @@ def muon_step_ops(config_file, **keys):
 
 def test_muon_dispatches_per_shape_not_per_matrix():
     """A Muon step runs one set of ops per stack of same-shaped matrices, so its op count does not grow with depth.
-    The 450M dyn_exo layout (175 matrices of 5 shapes): 779 aten ops, from 4,664 when each matrix had its own."""
+    The 450M dyn_exo layout (175 matrices of 5 shapes): 774 aten ops, from 4,664 when each matrix had its own."""
     deep, shallow = muon_step_ops("configs/dyn_exo.py"), muon_step_ops("configs/dyn_exo.py", n_layer=2)
     assert deep[1] == 175 and shallow[1] == 13
     assert deep[0] == shallow[0]
@@ -253,7 +255,7 @@ def test_sharded_muon_equals_unsharded(tmp_path):
 def test_every_parameter_in_exactly_one_optimizer_group():
     model = GPT(GPTConfig(n_layer=2, n_embd=32, n_head=2, vocab_size=64, block_size=16, gate=True,
                           anchor="exo", mix="qkvg", granularity="elementwise", anchor_norm=True, dynamic=True))
-    muon, adam = optim.configure_optimizers(model, TrainConfig())
+    muon, adam = optim.build_optimizers(model, TrainConfig())
     names = {id(p): n for n, p in model.named_parameters()}
     muon_names = {names[id(p)] for g in muon.param_groups for p in g["params"]}
     adam_names = {names[id(p)] for g in adam.param_groups for p in g["params"]}
@@ -268,10 +270,10 @@ def test_optimizers_route_by_role_not_by_shape():
     layer it adds inside the network goes to Muon. The start-up line counts what each optimiser holds."""
     model = GPT(GPTConfig(n_layer=2, n_embd=32, n_head=2, vocab_size=64, block_size=16, gate=True,
                           anchor="exo", mix="v", granularity="elementwise"))
-    muon_before = len(optim.configure_optimizers(model, TrainConfig())[0].param_groups[0]["params"])
+    muon_before = len(optim.build_optimizers(model, TrainConfig())[0].param_groups[0]["params"])
     model.blocks[0].attn.register_parameter("lam_table", torch.nn.Parameter(torch.ones(2, 32)))  # 2-D
     model.blocks[1].extra = torch.nn.Linear(32, 32, bias=False)
-    muon, adam = optim.configure_optimizers(model, TrainConfig())
+    muon, adam = optim.build_optimizers(model, TrainConfig())
     in_muon = {id(p) for g in muon.param_groups for p in g["params"]}
     in_adam = {id(p) for g in adam.param_groups for p in g["params"]}
     assert id(model.blocks[0].attn.lam_table) in in_adam and id(model.blocks[0].attn.lam_table) not in in_muon
@@ -383,15 +385,15 @@ class Stop(Exception):
 
 def stopped_after_checkpoint(step, args, monkeypatch):
     """train.main(args), ended right after its checkpoint of `step` is written, as if killed there."""
-    save = train.save_checkpoint
+    save = train.save_resumable
 
-    def save_then_stop(path, state):
-        save(path, state)
-        if state["step"] == step:
+    def save_then_stop(path, model, optimizers, loader, config, at, *rest):
+        save(path, model, optimizers, loader, config, at, *rest)
+        if at == step:
             raise Stop
 
     with monkeypatch.context() as m:
-        m.setattr(train, "save_checkpoint", save_then_stop)
+        m.setattr(train, "save_resumable", save_then_stop)
         with pytest.raises(Stop):
             train.main(args)
 
@@ -790,15 +792,15 @@ def test_step_times_leave_out_each_starts_first_step():
 
 def test_non_finite_gradient_norm_stops_and_keeps_last_checkpoint(data_dir, tmp_path, monkeypatch):
     """A finite loss with a non-finite gradient (as a miscompiled backward gives) stops the run at that step."""
-    steps, step_optimizers = [], train.step_optimizers
+    steps, clip_gradients = [], train.clip_gradients
 
-    def poisoned(net, optimizers, grad_clip):
+    def poisoned(net, max_norm):
         steps.append(1)
         if len(steps) == 4:
             net.wte.weight.grad[0, 0] = float("nan")
-        return step_optimizers(net, optimizers, grad_clip)
+        return clip_gradients(net, max_norm)
 
-    monkeypatch.setattr(train, "step_optimizers", poisoned)
+    monkeypatch.setattr(train, "clip_gradients", poisoned)
     out = str(tmp_path / "out")
     with pytest.raises(SystemExit, match=r"non-finite gradient norm \(nan\) at step 4; the last good checkpoint"):
         train.main(SMALL + [f"--data_dir={data_dir}", f"--out_dir={out}", "--max_steps=10", "--ckpt_interval=2"])
@@ -813,9 +815,9 @@ def test_gpu_without_bf16_or_triton_falls_back_in_one_line(monkeypatch, capsys):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Tesla T4")
     monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
     monkeypatch.setattr(parallel, "triton_available", lambda: False)
-    assert Runtime.pick("cuda") == Runtime("cuda", torch.float32)
-    assert Runtime.pick("cuda", quiet=True) == Runtime("cuda", torch.float32)
-    assert Runtime.pick("cuda", "bfloat16").dtype == torch.bfloat16  # asked for: as asked
+    assert parallel.Runtime.pick("cuda") == parallel.Runtime("cuda", torch.float32)
+    assert parallel.Runtime.pick("cuda", quiet=True) == parallel.Runtime("cuda", torch.float32)
+    assert parallel.Runtime.pick("cuda", "bfloat16").dtype == torch.bfloat16  # asked for: as asked
     worker = parallel.join(TrainConfig())
     assert (worker.device, worker.runtime.dtype, worker.compile) == ("cuda:0", torch.float32, False)
     assert capsys.readouterr().err.splitlines() == [
@@ -829,3 +831,42 @@ def test_bench_gpu_refuses_without_a_gpu():
     with pytest.raises(SystemExit, match="^bench.py: error: --gpu=True measures the 450M models on a CUDA GPU, and "
                                          "torch sees none here$"):
         bench.main(["--gpu=True"])
+
+
+# ----------------------------------------------------------------------------- a stranger's first run
+
+def readme_setup():
+    """The README's two setup commands, (install and train, install and test): its first code block."""
+    readme = open(os.path.join(ROOT, "README.md")).read()
+    block = readme[readme.index("```bash\n") + len("```bash\n"):].split("```")[0]
+    return block.strip().splitlines()
+
+
+def test_the_readme_setup_is_two_commands_and_ci_runs_the_second_word_for_word():
+    train_line, test_line = readme_setup()
+    assert train_line == "pip install -r requirements.txt && python train.py configs/dyn_exo.py configs/tiny.py"
+    assert test_line in open(os.path.join(ROOT, ".ci", "run")).read().splitlines()
+    requirements = open(os.path.join(ROOT, test_line.split()[3])).read().splitlines()
+    assert "-r requirements.txt" in requirements  # so CI installs what the first command installs, too
+
+
+def test_the_quick_start_trains_and_samples_offline_on_a_fresh_machine(closed_network, tmp_path):
+    """The README's first command and its sample command, in a fresh copy of the repository with no data/ and the
+    network closed: the run builds the built-in corpus from this Python, trains (a few steps here), and sample.py
+    reads the shipped tokenizer."""
+    for name in os.listdir(ROOT):
+        if name.endswith(".py") or name in ("configs", "tokenizer"):
+            (shutil.copytree if os.path.isdir(os.path.join(ROOT, name)) else shutil.copy)(
+                os.path.join(ROOT, name), tmp_path / name)
+    train_command = shlex.split(readme_setup()[0].split("&&")[1])
+    sample = next(line for line in open(os.path.join(ROOT, "README.md")).read().splitlines()
+                  if line.startswith("python sample.py out/ckpt.pt"))
+    python = [sys.executable if word == "python" else word for word in train_command]
+    r = subprocess.run(closed_network + python + ["--max_steps=3", "--eval_tokens=2048"], cwd=tmp_path,
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "data/stdlib: not there yet; building the built-in corpus from this Python's standard library" in r.stdout
+    assert "step 3/3 | loss " in r.stdout and (tmp_path / "data" / "stdlib" / "corpus.json").exists()
+    r = subprocess.run(closed_network + [sys.executable] + shlex.split(sample)[1:] + ["--num_samples=1"], cwd=tmp_path,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and f"---------- sample 1\n{shlex.split(sample)[4]}" in r.stdout, r.stderr[-3000:]

@@ -35,14 +35,15 @@ import numpy as np
 import torch
 import torch.nn as nn
 
+import checkpoint
 import parallel
-from checkpoint import (checkpoint_path, drop_stale, full_path, is_own, kept_path, load_resume, restore_training,
-                        restore_weights, resume_state, resumed_model_config, save_checkpoint, save_sharded,
-                        save_weights, trained_doc_mask)
+import sharding
+from checkpoint import (branch_path, checkpoint_path, kept_path, load_resumable, save_resumable, save_weights,
+                        trained_doc_mask)
 from configurator import help_text, key_comments, read_args, wants_help
 from data import DataLoader, ensure_corpus, val_batches
 from model import GPT, GPTConfig
-from optim import configure_optimizers, step_optimizers
+from optim import build_optimizers, clip_gradients
 from parallel import PREEMPTED, StopSignals, Worker, tell
 from runlog import Log
 
@@ -99,8 +100,8 @@ class TrainConfig:
     gpu_peak_flops: float = 989e12  # dense bf16 peak of one GPU (H100/H200), for MFU
     seed: int = 42  # seed of torch, numpy and random
 
-    def micro_steps(self, model_config, world_size):
-        """The micro-steps per optimiser step, after a one-line error for the first key whose value is wrong."""
+    def check(self, model_config, world_size):
+        """A one-line error for the first key whose value is wrong, with this model and number of processes."""
         for key in POSITIVE:
             if getattr(self, key) < 1:
                 raise ValueError(f"{key}={getattr(self, key)}: expected a positive integer")
@@ -112,7 +113,11 @@ class TrainConfig:
         if self.total_batch_size % micro:
             raise ValueError(f"total_batch_size={self.total_batch_size}: expected a multiple of batch_size x "
                              f"block_size x processes = {micro}")
-        return self.total_batch_size // micro
+
+    def micro_steps(self, model_config, world_size):
+        """The micro-steps per optimiser step (gradient accumulation): total_batch_size in batches of batch_size
+        windows per process."""
+        return self.total_batch_size // (self.batch_size * model_config.block_size * world_size)
 
     def branch_error(self, parent, step):
         """Why continuing a run of configuration `parent` (flat, as its checkpoint records it) from its step `step`
@@ -187,10 +192,92 @@ def set_schedule(optimizers, step, cfg):
     return {"muon_lr": cfg.muon_lr * mult, "adam_lr": cfg.adam_lr * mult}
 
 
-# ----------------------------------------------------------------------------- build and restore
+# ----------------------------------------------------------------------------- main: configure, build, restore, loop
+
+def main(argv):
+    """Train as argv says: configure, build, restore, then the loop (or one evaluation). Returns the last train loss
+    (eval_only: the validation loss); a stop by a signal exits with status 75."""
+    if wants_help(argv):
+        print(help_text(__doc__, help_sections()))
+        return None
+    with StopSignals() as stop:  # until the very end: a signal during the teardown is only noted
+        try:
+            given = read_args(argv, ALL_DEFAULTS)
+            cfg = TrainConfig(**{k: v for k, v in given.items() if k in DEFAULTS})
+            worker = parallel.join(cfg)
+        except ValueError as e:
+            sys.exit(f"train.py: error: {e}")
+        with worker:  # the process group ends after the run, once nothing holds DDP any more
+            try:
+                cfg, model_config, ckpt, path = configure(given, cfg, worker)
+                if ckpt is not None and not cfg.eval_only and ckpt["step"] >= cfg.max_steps:
+                    worker.say(f"{path}: this run is finished (step {ckpt['step']} of max_steps={cfg.max_steps}); "
+                               f"nothing to do")
+                    return None
+                run = build(cfg, model_config, worker)
+            except (ValueError, FileNotFoundError) as e:
+                sys.exit(f"train.py: error: {e}")
+            if ckpt is not None:
+                restore(run, ckpt, path)
+            stopped_by = None
+            if cfg.eval_only:
+                result = evaluate(run, None)
+                worker.say(f"step {run.step}: val loss {result:.4f} on the whole validation set")
+            else:
+                resume_hint = f"--init_from=auto resumes from {run.ckpt_path}"
+                with parallel.collectives_fail_in_one_line(worker, cfg.dist_timeout, resume_hint), Log(run) as log:
+                    log.start(ALL_DEFAULTS)
+                    stopped_by = train(run, log, stop)
+                if stopped_by:
+                    tell(f"train.py: rank {worker.rank}: stopped after step {run.step} ({stopped_by}); {run.ckpt_path} "
+                         f"holds it: the same command with --init_from=auto continues the run (exit status {PREEMPTED})")
+                result = run.train_loss
+            del run  # before the process group ends with this block: no DDP wrapper may outlive it (parallel.Worker)
+    if stopped_by:
+        sys.exit(PREEMPTED)
+    return result
+
+
+def configure(given, cfg, worker):
+    """Everything about the input that can be wrong, checked before any work: the checkpoint to start from, the
+    model (the checkpoint's, when there is one: the model keys given must agree with it), the keys' values.
+    Returns (cfg, model_config, the checkpoint and its path, or None and None)."""
+    ckpt, path = load_resumable(cfg.out_dir, cfg.init_from, cfg.eval_only, cfg.fsdp)  # either kind: DDP <-> FSDP
+    if ckpt is None:
+        model_config = GPTConfig(**{k: v for k, v in {**ALL_DEFAULTS, **given}.items() if k in MODEL_KEYS})
+    else:
+        model_config = checkpoint_model(ckpt, given, path)
+        if "doc_mask" not in given:  # resume, eval_only: as trained, unless overridden
+            cfg = replace(cfg, doc_mask=trained_doc_mask(ckpt))
+    cfg.check(model_config, worker.world_size)
+    if path is not None and is_branch(path, cfg.out_dir):  # a branch (Hagele et al., 2024): exact, or refused
+        error = cfg.branch_error(ckpt["config"], ckpt["step"])
+        if error:
+            raise ValueError(f"{path}: cannot branch from it: {error}")
+    return cfg, model_config, ckpt, path
+
+
+def checkpoint_model(ckpt, given, path):
+    """The GPTConfig of a checkpoint that a run continues or evaluates (a field it lacks, added to GPTConfig
+    later, takes its default); the model keys that config files or overrides set (given) must agree with it."""
+    config = GPTConfig.from_dict(ckpt["model_config"], f"{path}: model_config")
+    saved = asdict(config)
+    conflict = [k for k in saved if k in given and given[k] != saved[k]]
+    if conflict:
+        show = lambda d: ", ".join(f"{k}={d[k]!r}" for k in conflict)
+        raise ValueError(f"{path}: its model has {show(saved)}, the configuration sets {show(given)} "
+                         f"(leave the model keys out to take the checkpoint's)")
+    return config
+
+
+def is_branch(path, out_dir):
+    """Whether a run in out_dir starting from the checkpoint path starts from another run's (a branch point of
+    keep_full), not from its own, of either kind."""
+    return path not in (checkpoint_path(out_dir), checkpoint_path(out_dir, sharded=True))
+
 
 @dataclass
-class TrainingRun:
+class Run:
     """What a training run holds: its keys, the model in its three roles, the optimisers, the data, how far it got."""
     cfg: TrainConfig
     worker: Worker  # this process: rank, device, precision
@@ -204,6 +291,7 @@ class TrainingRun:
     train_loss: float = None  # of the last step
     pending_log: dict = None  # a stop at an evaluation step: its log entry, evaluated and logged on resume
     started_from: str = None  # the checkpoint it (re)started from: its log begins with that run's, up to step
+    branched: bool = False  # started_from is another run's branch point (keep_full)
 
     @property
     def ckpt_path(self):
@@ -214,9 +302,10 @@ class TrainingRun:
         return {**asdict(self.cfg), **asdict(self.model.config)}
 
 
-def build(cfg, model_config, worker, accum):
+def build(cfg, model_config, worker):
     """The data readers (every shard checked now, the val shard too), the model (seeded), its optimisers."""
     T, V, rank, world = model_config.block_size, model_config.vocab_size, worker.rank, worker.world_size
+    accum = cfg.micro_steps(model_config, world)
     ensure_corpus(cfg.data_dir)  # the built-in corpus (a data_dir named stdlib) is built the first time
     # one window of total_batch_size tokens per step, split into micro-steps: the same tokens whatever the mix
     # of processes and accumulation (and at shard ends, too)
@@ -227,40 +316,22 @@ def build(cfg, model_config, worker, accum):
     np.random.seed(cfg.seed)
     model = GPT(model_config)
     model.activation_checkpointing = cfg.activation_checkpointing
-    if cfg.fsdp:  # sharded in place, each unit moved to the device as it is sharded, compiled per block
-        eval_model = train_model = model = parallel.fully_shard_model(model, worker)
+    if cfg.fsdp:  # DDP or FSDP: sharded in place, each unit moved to the device as it is sharded, compiled per block
+        eval_model = train_model = model = sharding.fully_shard_model(model, worker)
     else:
         model = model.to(worker.device)
         eval_model = torch.compile(model) if worker.compile else model
         train_model = parallel.data_parallel(eval_model, worker)
-    optimizers = configure_optimizers(model, cfg, rank, world)
-    return TrainingRun(cfg, worker, accum, model, eval_model, train_model, optimizers, loader)
+    optimizers = build_optimizers(model, cfg, rank, world)
+    return Run(cfg, worker, accum, model, eval_model, train_model, optimizers, loader)
 
 
 def restore(run, ckpt, path):
     """Continue from a checkpoint: the weights, and for training the optimisers, data position, RNG and step."""
-    restore_weights(ckpt, run.model)  # either kind of checkpoint into either kind of model (checkpoint.py)
-    run.step, run.started_from = ckpt["step"], path
-    if not run.cfg.eval_only:
-        run.pending_log = restore_training(ckpt, run.model, run.optimizers, run.loader)
-
-
-# ----------------------------------------------------------------------------- evaluate
-
-@torch.no_grad()
-def evaluate(run, max_tokens):
-    """Mean validation cross-entropy over a fixed slice of the val shard(s) (None: all of it), averaged over ranks."""
-    cfg, worker, config = run.cfg, run.worker, run.model.config
-    run.eval_model.eval()
-    total, n = torch.zeros((), device=worker.device), torch.zeros((), device=worker.device)
-    for x, y in val_batches(cfg.data_dir, cfg.batch_size, config.block_size, max_tokens, worker.rank,
-                            worker.world_size, config.vocab_size):
-        with worker.runtime.autocast():
-            _, loss = run.eval_model(x.to(worker.device), y.to(worker.device), doc_mask=cfg.doc_mask)
-        total += loss.float()
-        n += 1
-    run.eval_model.train()
-    return (worker.sum(total) / worker.sum(n)).item()
+    training = not run.cfg.eval_only
+    run.pending_log = checkpoint.restore(ckpt, run.model, run.optimizers if training else None,
+                                         run.loader if training else None)  # either kind into either kind of model
+    run.step, run.started_from, run.branched = ckpt["step"], path, is_branch(path, run.cfg.out_dir)
 
 
 # ----------------------------------------------------------------------------- the loop
@@ -283,8 +354,11 @@ def train(run, log, stop):
             loss_sum += loss.detach()
         entry["train_loss"] = run.train_loss = worker.sum(loss_sum).item() / (run.accum * worker.world_size)
         stop_unless_finite(run, entry, "train_loss")
-        entry["grad_norm"] = step_optimizers(run.model, run.optimizers, cfg.grad_clip)
+        entry["grad_norm"] = clip_gradients(run.model, cfg.grad_clip)  # the global norm, before clipping it
         stop_unless_finite(run, entry, "grad_norm")  # a finite loss with broken gradients (a miscompiled kernel, say)
+        for opt in run.optimizers:  # Muon's update: optim.Muon.update
+            opt.step()
+            opt.zero_grad(set_to_none=True)
         run.step += 1
         log.times.append(time.perf_counter() - t0)
         # what is due after the step: an evaluation, a log line, checkpoints, a stop
@@ -319,8 +393,8 @@ def checkpoints_due(run, stopping):
     """The resume checkpoints of this step: the rolling one every ckpt_interval steps, at the end and at a stop; a
     branch point of keep_full."""
     rolling = due(run.step, run.cfg.ckpt_interval, run.cfg) or stopping
-    full = full_path(run.cfg.out_dir, run.step, run.cfg.fsdp)
-    return [run.ckpt_path] * rolling + [full] * (run.step in run.cfg.keep_full)
+    branch = branch_path(run.cfg.out_dir, run.step, run.cfg.fsdp)
+    return [run.ckpt_path] * rolling + [branch] * (run.step in run.cfg.keep_full)
 
 
 def due(step, interval, cfg):
@@ -336,21 +410,31 @@ def stop_unless_finite(run, entry, key):
                          f"checkpoint, if any, is {run.ckpt_path}")
 
 
-# ----------------------------------------------------------------------------- save
+@torch.no_grad()
+def evaluate(run, max_tokens):
+    """Mean validation cross-entropy over a fixed slice of the val shard(s) (None: all of it), averaged over ranks."""
+    cfg, worker, config = run.cfg, run.worker, run.model.config
+    run.eval_model.eval()
+    total, n = torch.zeros((), device=worker.device), torch.zeros((), device=worker.device)
+    for x, y in val_batches(cfg.data_dir, cfg.batch_size, config.block_size, max_tokens, worker.rank,
+                            worker.world_size, config.vocab_size):
+        with worker.runtime.autocast():
+            _, loss = run.eval_model(x.to(worker.device), y.to(worker.device), doc_mask=cfg.doc_mask)
+        total += loss.float()
+        n += 1
+    run.eval_model.train()
+    return (worker.sum(total) / worker.sum(n)).item()
+
+
+# ----------------------------------------------------------------------------- checkpoints
 
 def save(run, path, pending_log=None):
-    """A resume checkpoint: rank 0 writes it, and every rank learns whether that worked (a full disk stops the
-    run with one line, the previous checkpoint intact: data.atomic_write)."""
+    """A resume checkpoint: rank 0 writes it (every rank its shards, under FSDP), and every rank learns whether that
+    worked (a full disk stops the run with one line, the previous checkpoint intact)."""
     error = None
     try:
-        if run.cfg.fsdp:  # every rank writes its shards
-            save_sharded(path, run.model, run.flat_config(), run.step, run.optimizers, run.loader, pending_log,
-                         run.worker.master)
-        elif run.worker.master:
-            save_checkpoint(path, resume_state(run.model, run.flat_config(), run.step, run.optimizers,
-                                               run.loader, pending_log))
-        if run.worker.master and path == run.ckpt_path:
-            drop_stale(run.cfg.out_dir, run.cfg.fsdp)  # the other kind's: older (a run that switched DDP <-> FSDP)
+        save_resumable(path, run.model, run.optimizers, run.loader, run.flat_config(), run.step, pending_log,
+                       run.worker.master)
     except OSError as e:
         error = e
     if run.worker.any(error is not None):
@@ -365,74 +449,6 @@ def keep_weights(run):
     sample.py read as they are."""
     save_weights(kept_path(run.cfg.out_dir, run.step), run.model, run.flat_config(), run.step,
                  f"train.py, step {run.step} of {run.cfg.out_dir}", run.worker.master)
-
-
-# ----------------------------------------------------------------------------- main
-
-def configure(given, cfg, worker):
-    """Everything about the input that can be wrong, checked before any work: the checkpoint to start from, the
-    model (the checkpoint's, when there is one: the model keys given must agree with it), the batch layout.
-    Returns (cfg, model_config, the checkpoint and its path or None, micro-steps per step)."""
-    ckpt, path = load_resume(cfg.out_dir, cfg.init_from, cfg.eval_only, cfg.fsdp)  # either kind: DDP <-> FSDP
-    if ckpt is None:
-        model_config = GPTConfig(**{k: v for k, v in {**ALL_DEFAULTS, **given}.items() if k in MODEL_KEYS})
-    else:
-        model_config = resumed_model_config(ckpt, given, path)
-        if "doc_mask" not in given:  # resume, eval_only: as trained, unless overridden
-            cfg = replace(cfg, doc_mask=trained_doc_mask(ckpt))
-    accum = cfg.micro_steps(model_config, worker.world_size)
-    if path is not None and not is_own(path, cfg.out_dir):  # a branch (Hagele et al., 2024): exact, or refused
-        error = cfg.branch_error(ckpt["config"], ckpt["step"])
-        if error:
-            raise ValueError(f"{path}: cannot branch from it: {error}")
-    return cfg, model_config, ckpt, path, accum
-
-
-def run_training(given, cfg, worker, stop):
-    """Configure, build, restore, then the loop (or one evaluation): (the last loss, what stopped it early)."""
-    try:
-        cfg, model_config, ckpt, source, accum = configure(given, cfg, worker)
-        if ckpt is not None and not cfg.eval_only and ckpt["step"] >= cfg.max_steps:
-            worker.say(f"{source}: this run is finished (step {ckpt['step']} of "
-                       f"max_steps={cfg.max_steps}); nothing to do")
-            return None, None
-        run = build(cfg, model_config, worker, accum)
-    except (ValueError, FileNotFoundError) as e:
-        sys.exit(f"train.py: error: {e}")
-    if ckpt is not None:
-        restore(run, ckpt, source)
-    if cfg.eval_only:
-        val_loss = evaluate(run, None)
-        worker.say(f"step {run.step}: val loss {val_loss:.4f} on the whole validation set")
-        return val_loss, None
-    resume_hint = f"--init_from=auto resumes from {run.ckpt_path}"
-    with parallel.collectives_fail_in_one_line(worker, cfg.dist_timeout, resume_hint):
-        with Log(run) as log:
-            log.start(ALL_DEFAULTS)
-            stopped_by = train(run, log, stop)
-    if stopped_by:
-        tell(f"train.py: rank {worker.rank}: stopped after step {run.step} ({stopped_by}); {run.ckpt_path} holds "
-             f"it: the same command with --init_from=auto continues the run (exit status {PREEMPTED})")
-    return run.train_loss, stopped_by
-
-
-def main(argv):
-    """Train as argv says: returns the last train loss (eval_only: the validation loss); a signal exits with 75."""
-    if wants_help(argv):
-        print(help_text(__doc__, help_sections()))
-        return None
-    with StopSignals() as stop:  # until the very end: a signal during the teardown is only noted
-        try:
-            given = read_args(argv, ALL_DEFAULTS)
-            cfg = TrainConfig(**{k: v for k, v in given.items() if k in DEFAULTS})
-            worker = parallel.join(cfg)
-        except ValueError as e:
-            sys.exit(f"train.py: error: {e}")
-        with worker:  # the process group ends after run_training, once nothing holds DDP any more
-            loss, stopped_by = run_training(given, cfg, worker, stop)
-    if stopped_by:
-        sys.exit(PREEMPTED)
-    return loss
 
 
 if __name__ == "__main__":
