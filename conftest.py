@@ -1,5 +1,7 @@
-"""Shared test fixtures: a small GPT-2-style tokenizer built here (tiktoken's own `gpt2` would download)."""
+"""Shared test fixtures: a small GPT-2-style tokenizer built here (tiktoken's own `gpt2` would download); and the
+skip of tests that need what CI installs."""
 import base64
+import os
 
 import pytest
 
@@ -49,3 +51,14 @@ def offline(tmp_path, monkeypatch, closed_url):
     real_get = requests.get
     monkeypatch.setattr(requests, "get", lambda url, *a, **k: real_get(f"{closed_url}/", *a, **k))
     monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path / "tiktoken_cache"))
+
+
+def needs(missing):
+    """For tests that need what .ci/run installs (root, Debian packages), at the top of their module or in their
+    fixture: with `missing` (why they cannot run here), skip them with that reason, except in CI (CI=1), where they
+    must run, and fail instead."""
+    if not missing:
+        return
+    if os.environ.get("CI"):
+        raise RuntimeError(f"{missing}; CI (.ci/run) provides it")
+    pytest.skip(missing, allow_module_level=True)
