@@ -188,15 +188,19 @@ class Job:
     """A Slurm job of the cluster: its state, its output, and poll() as a Popen's (None while Slurm holds it)."""
 
     def __init__(self, cluster, id, output):
-        self.cluster, self.id, self.output = cluster, id, str(output)
+        self.cluster, self.id, self.output, self.polled = cluster, id, str(output), (0, None)
 
     def show(self):
         """scontrol's fields of the job, {key: value}."""
         return dict(re.findall(r"(\w+)=(\S*)", self.cluster.run("scontrol", "--oneliner", "show", "job", self.id)))
 
     def poll(self):
-        state = self.show()["JobState"]
-        return state if state in ENDED else None
+        """The job's end state, or None while it is queued; asked of slurmctld at most once a second (wait_for_step
+        polls every 50 ms, and each scontrol is a process on a 2-core machine)."""
+        if time.time() > self.polled[0] + 1:
+            state = self.show()["JobState"]
+            self.polled = time.time(), state if state in ENDED else None
+        return self.polled[1]
 
     def finish(self):
         """Wait (bounded) until the job has ended, starting it soon whenever it is requeued: Slurm holds a requeued job
@@ -320,7 +324,7 @@ def test_near_its_time_limit_the_job_stops_with_a_checkpoint_and_continues_when_
     deadline = time.time() + LIMIT
     while job.show()["Restarts"] == "0":  # requeued: each start has the time limit, and the warning, of its own
         assert time.time() < deadline and job.poll() is None, job.text()[-3000:]
-        time.sleep(0.2)
+        time.sleep(0.5)
     cluster.run("scontrol", "update", f"JobId={job.id}", "TimeLimit=10")  # its rest, however slow, before the next
     fields = job.finish()
     text = job.text()
