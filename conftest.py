@@ -1,5 +1,4 @@
-"""Shared test fixtures: a small GPT-2-style tokenizer built here (tiktoken's own `gpt2` would download); and the
-skip of tests that need what CI installs."""
+"""Shared test fixtures: a small GPT-2-style tokenizer built here (tiktoken's own `gpt2` would download)."""
 import base64
 import os
 
