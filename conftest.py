@@ -1,6 +1,7 @@
 """Shared test fixtures: a small GPT-2-style tokenizer built here (fast to load, with few enough ids for tiny
-models), and a closed network."""
+models), a closed network, and what tests that need root or Debian's packages do without them."""
 import base64
+import os
 
 import pytest
 
@@ -53,19 +54,26 @@ def offline(tmp_path, monkeypatch, closed_url):
     monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path / "tiktoken_cache"))
 
 
+def needs(missing):
+    """For tests that need what .ci/run installs (root, Debian packages), at the top of their module or in their
+    fixture: with `missing` (why they cannot run here), skip them with that reason, except in CI (CI=1), where they
+    must run, and fail instead."""
+    if not missing:
+        return
+    if os.environ.get("CI"):
+        raise RuntimeError(f"{missing}; CI (.ci/run) provides it")
+    pytest.skip(missing, allow_module_level=True)
+
+
 @pytest.fixture(scope="session")
 def closed_network():
     """The prefix of a command that runs it with no network at all: `unshare -n` puts it in a network namespace
-    of its own, whose only interface is a loopback that is down. It needs root: outside CI, without it, the test
-    is skipped with that reason; in CI (which runs as root) it must work."""
-    import os
+    of its own, whose only interface is a loopback that is down. It needs root (needs: skipped without it, except
+    in CI)."""
     import subprocess
     try:
         works = subprocess.run(["unshare", "-n", "true"], capture_output=True).returncode == 0
     except FileNotFoundError:
         works = False
-    if not works:
-        if os.environ.get("CI"):
-            pytest.fail("unshare -n does not work here: CI runs as root, where it must")
-        pytest.skip("closing the network needs unshare -n, which needs root")
+    needs(None if works else "closing the network needs unshare -n, which needs root")
     return ["unshare", "-n"]

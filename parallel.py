@@ -68,6 +68,10 @@ def attempt_store(world_size, timeout):
     "connectFullMesh failed ... Connection refused", seen here after a kill -9)."""
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return None
+    if int(os.environ.get("GROUP_WORLD_SIZE", 1)) > 1 and os.environ.get("RANK") == "0":  # torchrun on several hosts
+        tell("train.py: warning: torchrun's hosts share one store for all restarts: a restart can hang (the hosts may "
+             "count restarts differently) and a host started again cannot join; TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 "
+             "for torchrun on every host gives each restart a store of its own (docs/LONG_RUNS.md)")
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size, is_master=False,
                           timeout=timeout)
     return dist.PrefixStore(f"train.py/attempt_{os.environ['TORCHELASTIC_RESTART_COUNT']}", store)

@@ -3,8 +3,9 @@ Variants x seeds, each an ordinary train.py run in its own directory, and the re
 intervals: the instrument for the paper's open questions (seeds, token-matched data efficiency, controls).
 
     python sweep.py configs/gated.py+configs/tiny.py configs/dyn_exo.py+configs/tiny.py --seeds=0,1,2,3,4 \\
-        --out_dir=out/sweep --parallel=2 --data_dir=data/pydocs          # runs, then the report
+        --out_dir=out/sweep --parallel=2                                  # runs, then the report
     python sweep.py ... --print                                        # one shell command per run, nothing run
+    python sweep.py ... --slurm --sbatch="--gpus-per-node=1 --time=4:00:00"     # one Slurm job per run
     python sweep.py --report out/sweep/* [--reference=LABEL] [--out=FILE]
 
 Each CONFIG is one variant: a config file, or several joined by '+' (applied in that order, as train.py
@@ -12,13 +13,19 @@ applies them). Every other --key=value is a train.py key and goes to every run. 
 <out_dir>/<variant>_s<seed> (with --budgets, <variant>_b<fraction>_s<seed> for the shorter budgets). Every
 run is started with --init_from=auto: a finished run is skipped, an unfinished one resumes from its last
 checkpoint, so the same command continues a sweep that was stopped (Ctrl-C, kill, a lost machine).
+
+With --slurm every run is a job of train.sbatch (requeued when it stops with status 75), a branch after its full
+run's job (a Slurm dependency); the same command again submits what is neither finished nor queued, and once every
+run has finished, writes the report.
 """
 import argparse
+import contextlib
 import ctypes
 import json
 import math
 import os
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -38,6 +45,8 @@ from train import ALL_DEFAULTS, MODEL_KEYS, split_config
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 POLL = 0.2  # seconds between looks at the running processes
+SBATCH = os.path.join(ROOT, "train.sbatch")  # the job of every run under --slurm
+JOB_FILE = "slurm_job"  # in a run's directory: the id of the last job submitted for it
 
 
 # ----------------------------------------------------------------------------- the runs
@@ -68,8 +77,11 @@ class Run:
         return self.proc.returncode
 
     def on_its_own(self):
-        """A branch whose full run finished without its branch point (a sweep of other budgets ran it): from scratch."""
+        """A branch whose full run finished without its branch point (a sweep of other budgets ran it): from scratch.
+        Returns the line that says so."""
+        line = f"{self.name}: {self.parent.name} finished without its branch point {self.waits_for}: from scratch"
         self.waits_for, self.args[-1] = None, "--init_from=auto"
+        return line + " instead"
 
     def ready(self):
         """Whether the run can start now: a branch once its branch point exists."""
@@ -202,6 +214,12 @@ class Progress:
         return code in (0, PREEMPTED)
 
 
+def print_commands(runs):
+    """One shell command per run: the full runs first, then each branch after a line naming the file it waits for."""
+    for r in sorted(runs, key=lambda r: r.waits_for is not None):
+        print(*[f"# waits for {r.waits_for}"] * bool(r.waits_for), r.command(), sep="\n")
+
+
 def stranded(todo, busy):
     """The branches in todo whose branch point can no longer appear: their full run is neither running nor to run
     (it failed, or it finished without it)."""
@@ -249,15 +267,96 @@ def sweep(runs, parallel):
                     failed.append(r)
                     progress.say(f"FAILED {r.name}: its full run {r.parent.name} failed")
                 else:
-                    progress.say(f"{r.name}: {r.parent.name} finished without its branch point {r.waits_for}: "
-                                 f"from scratch instead")
-                    r.on_its_own()
+                    progress.say(r.on_its_own())
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
     if stopping:
         sys.exit(PREEMPTED)
     return failed
+
+
+# ----------------------------------------------------------------------------- Slurm
+
+def slurm(cmd, env=None):
+    """The stdout of a Slurm command (env: added to this one's); a ValueError with its error line if it fails."""
+    r = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **(env or {})})
+    if r.returncode:
+        why = (r.stderr.strip() or r.stdout.strip() or f"exit status {r.returncode}").splitlines()[-1]
+        raise ValueError(f"{cmd[0]} failed: {why}")
+    return r.stdout
+
+
+def queued_jobs(runs):
+    """{run: job id} of the runs whose last job (the id in <run dir>/slurm_job) Slurm still holds: pending, running,
+    suspended or requeued."""
+    recorded = {}
+    for r in runs:
+        with contextlib.suppress(FileNotFoundError):
+            with open(os.path.join(r.dir, JOB_FILE)) as f:
+                recorded[r] = f.read().strip()
+    if not recorded:
+        return {}
+    try:  # a finished job may be forgotten by now: squeue refuses a single unknown id, and skips it in a list
+        held = set(slurm(["squeue", "--noheader", "--format=%A", f"--jobs={','.join(recorded.values())}"]).split())
+    except ValueError as e:
+        if "Invalid job id" not in str(e):
+            raise
+        held = set()
+    return {r: job for r, job in recorded.items() if job in held}
+
+
+def sbatch_command(r, options, after=None):
+    """The sbatch command of run r: the user's options (GPUs, time, account, partition), its output file in its
+    directory, and a dependency on job `after` (its full run), which Slurm cancels if that job fails."""
+    return ["sbatch", "--parsable", f"--job-name={r.name}", f"--output={os.path.abspath(r.dir)}/slurm-%j.out",
+            *options, *([f"--dependency=afterok:{after}", "--kill-on-invalid-dep=yes"] if after else []),
+            SBATCH, *r.args]
+
+
+def job_env():
+    """What train.sbatch runs: this interpreter and this train.py, wherever the sweep is started from."""
+    return {"PYTHON": sys.executable, "TRAIN_PY": os.path.join(ROOT, "train.py")}
+
+
+def submit(runs, options):
+    """Submit, as a job each, the runs that are neither finished nor queued; a branch whose branch point is not yet
+    written waits for its full run's job. A line per run. Returns {run: job id} of the jobs Slurm holds now."""
+    missing = [c for c in ("sbatch", "squeue") if not shutil.which(c)]
+    if missing:
+        raise ValueError(f"--slurm: no {missing[0]} on PATH (Slurm's commands, on a machine that submits jobs)")
+    queued, jobs = queued_jobs([r for r in runs if not r.finished()]), {}
+    for r in runs:  # a full run comes before its branches
+        if r.finished():
+            print(f"skip {r.name}: finished (step {r.max_steps})")
+        elif r in queued:
+            jobs[r] = queued[r]
+            print(f"queued {r.name}: job {jobs[r]}")
+        else:
+            after = None
+            if not r.ready():
+                if r.parent in jobs:
+                    after = jobs[r.parent]
+                else:
+                    print(r.on_its_own())
+            os.makedirs(r.dir, exist_ok=True)
+            submitted = slurm(sbatch_command(r, options, after), job_env())
+            jobs[r] = submitted.strip().split(";")[0]  # --parsable: the id, then ";cluster" on a federation
+            with atomic_write(os.path.join(r.dir, JOB_FILE), "w") as f:
+                f.write(jobs[r] + "\n")
+            print(f"submitted {r.name}: job {jobs[r]}" + (f", after job {after}" if after else ""), flush=True)
+    return jobs
+
+
+def print_jobs(runs, options):
+    """The shell commands that submit the sweep's jobs, a branch after its full run's job (its id in a variable)."""
+    env = [f"{k}={v}" for k, v in job_env().items()]
+    print(shlex.join(["mkdir", "-p", *(os.path.abspath(r.dir) for r in runs)]))  # where the jobs' output goes
+    ids = {}
+    for n, r in enumerate(runs, 1):
+        ids[r] = f"job{n}"
+        cmd = env + sbatch_command(r, options, r.waits_for and f"${ids[r.parent]}")
+        print(f"{ids[r]}=$(" + " ".join(w if w.startswith("--dependency=") else shlex.quote(w) for w in cmd) + ")")
 
 
 # ----------------------------------------------------------------------------- the report
@@ -554,7 +653,12 @@ def parse_args(argv):
                    "the same seed's full run")
     p.add_argument("--budgets_from_scratch", action="store_true", help="run each shorter budget on its own, from "
                    "step 0, instead of branching it from the full run")
-    p.add_argument("--print", action="store_true", help="print one shell command per run and run nothing")
+    p.add_argument("--print", action="store_true", help="print one shell command per run and run nothing (with "
+                   "--slurm: the sbatch commands)")
+    p.add_argument("--slurm", action="store_true", help="submit every run that is neither finished nor queued as a "
+                   "Slurm job of train.sbatch, a branch after its full run's job; report once all have finished")
+    p.add_argument("--sbatch", default="", metavar="OPTIONS", help="sbatch options for every job, after an '=': "
+                   "--sbatch=\"--gpus-per-node=1 --time=4:00:00 --account=A --partition=P\"")
     p.add_argument("--report", nargs="+", metavar="RUN_DIR", help="only compare these run directories")
     p.add_argument("--reference", default=None, help="the report's reference variant (default: the first)")
     p.add_argument("--out", default=None, help="the report's JSON (default: OUT_DIR/report.json)")
@@ -580,6 +684,12 @@ def parse_args(argv):
         p.error(f"--parallel={args.parallel}: expected a positive integer")
     if not args.report and not args.configs:
         p.error("expected CONFIG... to run, or --report RUN_DIR...")
+    try:
+        args.sbatch = shlex.split(args.sbatch)
+    except ValueError as e:
+        p.error(f"--sbatch={args.sbatch}: {e} (expected sbatch options, as on a shell command line)")
+    if args.sbatch and not args.slurm:
+        p.error("--sbatch: expected with --slurm (the options of its jobs)")
     return args, rest
 
 
@@ -589,13 +699,19 @@ def main(argv=None):
         if args.report:
             return write_report(args.report, args.reference, args.out)
         runs = plan(args.configs, args.seeds, args.budgets, overrides, args.out_dir, not args.budgets_from_scratch)
-        if args.print:  # the full runs first, then each branch after a line naming the file it waits for
-            for r in sorted(runs, key=lambda r: r.waits_for is not None):
-                print(*[f"# waits for {r.waits_for}"] * bool(r.waits_for), r.command(), sep="\n")
+        if args.print:  # nothing runs
+            print_jobs(runs, args.sbatch) if args.slurm else print_commands(runs)
             return runs
-        failed = sweep(runs, args.parallel)
-        if failed:
-            sys.exit(f"sweep.py: error: {len(failed)} run(s) failed: {', '.join(r.name for r in failed)}")
+        if args.slurm:
+            jobs = submit(runs, args.sbatch)
+            if jobs:
+                print(f"{len(jobs)} job(s) in Slurm's queue; the same command again submits what is neither finished "
+                      f"nor queued, and reports once every run has finished")
+                return runs
+        else:
+            failed = sweep(runs, args.parallel)
+            if failed:
+                sys.exit(f"sweep.py: error: {len(failed)} run(s) failed: {', '.join(r.name for r in failed)}")
         return write_report([r.dir for r in runs], args.reference, args.out or os.path.join(args.out_dir, "report.json"))
     except (ValueError, FileNotFoundError) as e:
         sys.exit(f"sweep.py: error: {e}")

@@ -11,11 +11,14 @@ import signal
 import subprocess
 import sys
 import time
+from datetime import timedelta
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import analyze
+import parallel
 import train
 from checkpoint import WEIGHTS, load_checkpoint, load_model, save_checkpoint
 from test_train import ROOT, SMALL, assert_same_run, data_dir, read_log  # noqa: F401  (data_dir: the toy shards fixture)
@@ -71,18 +74,32 @@ def descendants(pid):
     return found
 
 
+def kill_at_once(pids):
+    """SIGKILL to every process of pids as one event, as a machine that dies: all stopped first, so that none sees
+    another one die and reacts (one that ended already is as dead)."""
+    for signum in signal.SIGSTOP, signal.SIGKILL:
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signum)
+
+
+def environ(pid):
+    """The environment of process pid (Linux: /proc), {} once it has gone."""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            return dict(e.decode(errors="replace").split("=", 1) for e in f.read().split(b"\0") if b"=" in e)
+    except OSError:
+        return {}
+
+
+def ranks(pids):
+    """{rank: pid} of the train.py workers among pids (their environment holds RANK)."""
+    return {int(env["RANK"]): pid for pid in pids if "RANK" in (env := environ(pid))}
+
+
 def workers(torchrun):
-    """{rank: pid} of the train.py workers that torchrun started (their environment holds RANK)."""
-    ranks = {}
-    for pid in descendants(torchrun.pid):
-        try:
-            with open(f"/proc/{pid}/environ", "rb") as f:
-                env = dict(e.split(b"=", 1) for e in f.read().split(b"\0") if b"=" in e)
-        except OSError:
-            continue
-        if b"RANK" in env:
-            ranks[int(env[b"RANK"])] = pid
-    return ranks
+    """{rank: pid} of the train.py workers that torchrun started."""
+    return ranks(descendants(torchrun.pid))
 
 
 def wait_for_step(out, step, proc):
@@ -137,6 +154,20 @@ def test_sigusr1_to_one_process_stops_it_with_status_75_and_a_checkpoint(data_di
     assert [e["step"] for e in read_log(out)] == list(range(step + 1))  # nothing lost, nothing logged twice
 
 
+LATE_SIGNAL = """import atexit, os, runpy, signal, sys
+atexit.register(lambda: os.kill(os.getpid(), signal.SIGUSR1))  # as the finished run exits, a time-limit warning
+sys.argv = ["train.py"] + sys.argv[1:]
+runpy.run_path("train.py", run_name="__main__")
+"""
+
+
+def test_a_stop_signal_as_a_finished_run_exits_does_not_fail_it(data_dir, tmp_path):
+    """Slurm's USR1 before the time limit can come while a run that has just finished exits: the process still ends
+    with status 0, not killed by the signal (which would mark its job failed)."""
+    r = run([sys.executable, "-c", LATE_SIGNAL, *args(data_dir, str(tmp_path / "run"))])
+    assert r[0] == 0, r[2][-3000:]
+
+
 def test_a_stop_at_an_evaluation_step_leaves_the_evaluation_to_the_resumed_run(data_dir, tmp_path, monkeypatch):
     common = SMALL + [f"--data_dir={data_dir}", "--max_steps=6", "--eval_interval=3", "--init_from=auto"]
     straight, stopped = str(tmp_path / "straight"), str(tmp_path / "stopped")
@@ -179,6 +210,19 @@ def test_a_killed_worker_under_max_restarts_restarts_from_the_last_checkpoint(da
     restarts = [e["step"] for e in read_log(out, configs=True)]
     assert restarts[0] == 0 and len(restarts) == 2 and restarts[1] in (10, 15), restarts  # resumed, not rerun
     assert_same_run(unbroken, out)
+
+
+def test_torchrun_on_several_hosts_with_its_shared_store_is_warned_of(monkeypatch, capsys):
+    """On one host the workers' store keys are per restart (parallel.attempt_store); across hosts torchrun's shared
+    store breaks restarts (test_multinode.py runs them with a store per restart instead): rank 0 says so."""
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # as torchrun's agent holds it
+    for key, value in {"TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RESTART_COUNT": "0", "RANK": "0",
+                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(server.port)}.items():
+        monkeypatch.setenv(key, value)
+    for hosts, warned in (("1", False), ("2", True)):
+        monkeypatch.setenv("GROUP_WORLD_SIZE", hosts)
+        parallel.attempt_store(2, timedelta(seconds=10))
+        assert ("TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 for torchrun on every host" in capsys.readouterr().err) == warned
 
 
 HANG = """import signal, sys, time

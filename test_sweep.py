@@ -292,6 +292,33 @@ def test_print_gives_runnable_commands_and_bad_input_is_refused_before_any_run(d
     assert r.returncode == 0 and f"--data_dir={tmp_path / 'data' / 'stdlib'}" in r.stdout, r.stderr
 
 
+def test_print_with_slurm_gives_the_sbatch_commands_a_branch_after_its_full_runs_job(data_dir, tmp_path, capsys,
+                                                                                    monkeypatch):
+    """What --slurm submits, printed (test_slurm.py submits it to a real Slurm); and its refusals."""
+    out = tmp_path / "sw"
+    options = "--time=4:00:00 --gpus-per-node=1 --comment='a b'"
+    sweep.main(sweep_cmd(data_dir, out, "--seeds=0", "--budgets=0.5,1", "--print", "--slurm", f"--sbatch={options}")[2:])
+    lines = capsys.readouterr().out.splitlines()
+    names = ["gated_s0", "gated_b0.5_s0", "dyn_exo_s0", "dyn_exo_b0.5_s0"]
+    assert lines[0] == f"mkdir -p {' '.join(str(out / n) for n in names)}" and len(lines) == 5 and not out.exists()
+    for n, (line, name) in enumerate(zip(lines[1:], names), 1):
+        sbatch = (f"job{n}=$(PYTHON={sys.executable} TRAIN_PY={ROOT}/train.py sbatch --parsable --job-name={name} "
+                  f"--output={out}/{name}/slurm-%j.out --time=4:00:00 --gpus-per-node=1 '--comment=a b' ")
+        after = f"--dependency=afterok:$job{n - 1} --kill-on-invalid-dep=yes " if "_b" in name else ""
+        assert line.startswith(sbatch + after + f"{ROOT}/train.sbatch configs/"), line
+        assert line.endswith(f" --seed=0 --out_dir={out}/{name} --init_from="
+                             + (f"{out}/{names[n - 2]}/ckpt_000004_full.pt)" if after else "auto)")), line
+    for extra, message in [(["--sbatch=--time=10"], "--sbatch: expected with --slurm"),
+                           (["--slurm", "--sbatch=--comment='a"], "No closing quotation")]:
+        with pytest.raises(SystemExit):
+            sweep.main(sweep_cmd(data_dir, out, *extra)[2:])
+        assert message in capsys.readouterr().err
+    monkeypatch.setenv("PATH", str(tmp_path))  # no Slurm there
+    with pytest.raises(SystemExit, match=r"--slurm: no sbatch on PATH \(Slurm's commands"):
+        sweep.main(sweep_cmd(data_dir, out, "--slurm")[2:])
+    assert not out.exists()
+
+
 # ----------------------------------------------------------------------------- the frozen-anchor control
 
 def test_frozen_anchors_stay_at_their_initialisation_and_everything_else_trains(data_dir, tmp_path, capsys):

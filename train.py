@@ -27,6 +27,7 @@ SIGTERM, SIGINT or SIGUSR1 stop a run after its current step, with a checkpoint,
 import errno
 import math
 import random
+import signal
 import sys
 import time
 from dataclasses import asdict, dataclass, fields, replace
@@ -44,7 +45,7 @@ from configurator import help_text, key_comments, read_args, wants_help
 from data import DataLoader, ensure_corpus, val_batches
 from model import GPT, GPTConfig
 from optim import build_optimizers, clip_gradients
-from parallel import PREEMPTED, StopSignals, Worker, tell
+from parallel import PREEMPTED, STOP_SIGNALS, StopSignals, Worker, tell
 from runlog import Log
 
 
@@ -452,4 +453,8 @@ def keep_weights(run):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    try:
+        main(sys.argv[1:])
+    finally:  # a stop signal that comes as the run ends (a scheduler's time-limit warning) must not kill it then
+        for s in STOP_SIGNALS:
+            signal.signal(s, signal.SIG_IGN)
