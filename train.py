@@ -205,8 +205,9 @@ def main(argv):
         try:
             given = read_args(argv, ALL_DEFAULTS)
             cfg = TrainConfig(**{k: v for k, v in given.items() if k in DEFAULTS})
+            ensure_corpus(cfg.data_dir)  # the built-in corpus (a data_dir named stdlib), before any thread or GPU
             worker = parallel.join(cfg)
-        except ValueError as e:
+        except (ValueError, OSError) as e:
             sys.exit(f"train.py: error: {e}")
         with worker:  # the process group ends after the run, once nothing holds DDP any more
             try:
@@ -307,7 +308,6 @@ def build(cfg, model_config, worker):
     """The data readers (every shard checked now, the val shard too), the model (seeded), its optimisers."""
     T, V, rank, world = model_config.block_size, model_config.vocab_size, worker.rank, worker.world_size
     accum = cfg.micro_steps(model_config, world)
-    ensure_corpus(cfg.data_dir)  # the built-in corpus (a data_dir named stdlib) is built the first time
     # one window of total_batch_size tokens per step, split into micro-steps: the same tokens whatever the mix
     # of processes and accumulation (and at shard ends, too)
     loader = None if cfg.eval_only else DataLoader(cfg.data_dir, accum * cfg.batch_size, T, rank, world, V)
