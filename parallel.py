@@ -11,6 +11,7 @@ signal, with exit status 75; on a failed collective, in one line.
 Everything here also runs on a CPU with gloo, where the tests exercise it; on CUDA the same calls use NCCL.
 """
 import contextlib
+import ctypes
 import gc
 import inspect
 import os
@@ -28,6 +29,22 @@ from model import triton_available
 
 
 # ----------------------------------------------------------------------------- where a model runs
+
+M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4  # mallopt's parameters (glibc's malloc.h)
+
+
+def keep_freed_memory():
+    """On a CPU: glibc's malloc hands each large tensor (the loss's 0.4 GB of logits, say) back to the kernel when
+    it is freed, and gets it again, page-faulted and zeroed, at the next allocation. That was a quarter of a
+    quick-start step on 2 cores (measured: 1.78 s -> 1.32 s a step, system time 23 s -> 2 s over 25 steps, the same
+    losses). This has malloc keep freed memory for the next tensor instead. Nothing where there is no glibc."""
+    try:
+        mallopt = ctypes.CDLL("libc.so.6").mallopt
+    except (OSError, AttributeError):
+        return
+    mallopt(M_MMAP_MAX, 0)  # large blocks from the heap too, not from mmap, which unmaps them on free
+    mallopt(M_TRIM_THRESHOLD, 2**31 - 1)  # and the heap's free top kept (up to 2 GB), not trimmed
+
 
 @dataclass(frozen=True)
 class Runtime:
@@ -50,6 +67,8 @@ class Runtime:
         dtype = dtype or ("bfloat16" if device.startswith("cuda") else "float32")
         if dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype={dtype!r}: expected 'float32', 'bfloat16' or 'float16'")
+        if device == "cpu":
+            keep_freed_memory()
         return cls(device, getattr(torch, dtype))
 
     def autocast(self):

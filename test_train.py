@@ -826,6 +826,22 @@ def test_gpu_without_bf16_or_triton_falls_back_in_one_line(monkeypatch, capsys):
         "are dense SDPA masks"]
 
 
+def test_a_cpu_run_keeps_freed_memory_for_its_next_tensor():
+    """Runtime.pick("cpu") has glibc's malloc keep a freed 0.4 GB tensor for the next allocation, where by default
+    it hands it back to the kernel (and page-faults it in again at the next step). Each case in a fresh process, as
+    malloc's settings are the process's."""
+    script = ("import sys, torch, parallel\n"
+              "if sys.argv[1] == 'cpu': parallel.Runtime.pick('cpu')\n"
+              "resident = lambda: int(open('/proc/self/statm').read().split()[1]) * os.sysconf('SC_PAGE_SIZE')\n"
+              "t = torch.ones(100_000_000)\n"
+              "held = resident()\n"
+              "del t\n"
+              "print(held - resident())\n")
+    returned = {how: int(subprocess.run([sys.executable, "-c", "import os\n" + script, how], cwd=ROOT, check=True,
+                                        capture_output=True, text=True).stdout) for how in ("default", "cpu")}
+    assert returned["default"] >= 4 * 10**8 and returned["cpu"] < 10**6, returned
+
+
 def test_bench_gpu_refuses_without_a_gpu():
     import bench
     with pytest.raises(SystemExit, match="^bench.py: error: --gpu=True measures the 450M models on a CUDA GPU, and "
