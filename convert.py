@@ -1,6 +1,6 @@
 """
 Turn a checkpoint into a weights-only checkpoint of this code: `model` (fp32 state dict), `model_config`,
-`step` and a `source` note, which eval.py, `train.py --eval_only` and model.load_model read as they are.
+`step` and a `source` note, which eval.py, `train.py --eval_only` and checkpoint.load_model read as they are.
 
     python convert.py --list Jonnester                                         # the authors' checkpoints on the Hub
     python convert.py Jonnester/Baseline --out out/authors_baseline/ckpt.pt    # the authors' release

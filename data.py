@@ -302,9 +302,10 @@ def encoder(tokenizer=None, workers=1):
 CORPUS_NAME = "stdlib"  # its directory's name: train.py builds a missing data_dir of this name first
 CORPUS_VAL_ONE_IN = 20  # one document in 20 goes to validation, picked by a hash of its name (ours: measured 0.16M
 #                         tokens of Debian's python3.11, 1.0M of a full CPython 3.11 build with its tests: more than
-#                         the 65,536 configs/tiny.py evaluates)
+#                         the 32,768 configs/tiny.py evaluates)
 NOT_THE_LIBRARY = {"site-packages", "dist-packages", "__pycache__"}  # installed packages (pyenv's sit inside the
 #                                                                   library's folder) and bytecode
+CORPUS_WORKERS = 4  # at most: the whole build takes 3 s on 2 cores (measured), so more would mostly add start-ups
 TOPICS = "pydoc_data/topics.py"  # pydoc's help topics: a dict of texts, each topic a document of its own
 
 
@@ -348,7 +349,7 @@ def corpus_order(name):
     return hashlib.sha256(name.encode()).digest()
 
 
-def build_corpus(data_dir, lib_dir=None, workers=min(4, os.cpu_count() or 1)):
+def build_corpus(data_dir, lib_dir=None, workers=min(CORPUS_WORKERS, os.cpu_count() or 1)):
     """Tokenise a Python library folder (default: the running Python's, sysconfig's stdlib) into data_dir:
     {name}_val_000000.bin, {name}_train_000001.bin (name: data_dir's basename) and corpus.json, what went where.
     Documents in the order of their names' hashes, so that the first batches mix the whole library; the validation
@@ -366,7 +367,8 @@ def build_corpus(data_dir, lib_dir=None, workers=min(4, os.cpu_count() or 1)):
         raise ValueError(f"{lib_dir}: no Python modules in it")
     names = sorted(docs, key=corpus_order)
     split = {"val": [n for n in names if int.from_bytes(corpus_order(n)[:8], "big") % CORPUS_VAL_ONE_IN == 0]}
-    split["train"] = [n for n in names if n not in set(split["val"])]
+    val = set(split["val"])
+    split["train"] = [n for n in names if n not in val]
     os.makedirs(os.path.dirname(os.path.abspath(data_dir)), exist_ok=True)
     stage = tempfile.mkdtemp(prefix=f"{name}.tmp", dir=os.path.dirname(os.path.abspath(data_dir)))
     umask = os.umask(0o22)

@@ -237,8 +237,9 @@ def tokenize(paths, data_dir, name=None, shard_tokens=10**8, val_tokens=10**7, w
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description="Download FineWeb-Edu 10B token shards, or tokenise "
-                                            "your own text into the same shard format.")
+    p = argparse.ArgumentParser(description="Download FineWeb-Edu 10B token shards, tokenise "
+                                            "your own text into the same shard format, or build the "
+                                            "built-in corpus (--stdlib).")
     p.add_argument("--data_dir", help="where the shards go (download default: data/finewebedu10B)")
     p.add_argument("--workers", type=int, default=4, help="parallel downloads / tokenizer processes")
     d = p.add_argument_group("download (the default mode)")

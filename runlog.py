@@ -152,5 +152,6 @@ def disk_plan(path, model, optimizers, ckpt_interval, kept=0, keep_every=0, full
     return (f"checkpoints: {path} ~{gb(resume)}, every {ckpt_interval} steps" +
             (f"; {kept} weights-only ckpt_<step>.pt of ~{gb(weights)} (every {keep_every} steps): "
              f"{gb(kept * weights)} more" if keep_every else "") +
-            (f"; {full} resumable ckpt_<step>_full.pt (keep_full): {gb(full * resume)} more" if full else "") +
+            (f"; {full} resumable ckpt_<step>_full{os.path.splitext(path)[1]} (keep_full): {gb(full * resume)} more"
+             if full else "") +
             f"; {gb(stat.f_bavail * stat.f_frsize)} free there")

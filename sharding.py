@@ -1,7 +1,7 @@
 """
 Sharding (FSDP2): everything that training a model beyond one GPU's memory adds, in one room. Each rank holds 1/N of
-every weight, gradient and optimiser state. A reader of the one-process and DDP story never needs this file; the
-others reach it through one seam each:
+every weight, gradient and optimiser state. A reader of the one-process and DDP story can skip this file: the other
+modules reach it through a few calls, each of which does nothing for a whole (unsharded) tensor or model:
 
     model = sharding.fully_shard_model(model, worker)     # train.py builds a sharded model instead of DDP's
     exchange = sharding.Exchange(stacks, moments)         # optim.py: Muon's whole matrices, to their owners and back
@@ -9,6 +9,7 @@ others reach it through one seam each:
 
 Everything here also runs on a CPU with gloo, where the tests exercise it; on CUDA the same calls use NCCL.
 """
+import contextlib
 import json
 import math
 import mmap
@@ -303,7 +304,8 @@ def resume_path(whole, directory, sharded):
     run may switch between DDP and FSDP), after finishing save's swap if a stop came between its two renames; when
     there is neither, the one a run of this kind (sharded or not) writes."""
     if not os.path.exists(directory) and os.path.isdir(directory + ".old"):
-        os.rename(directory + ".old", directory)
+        with contextlib.suppress(FileNotFoundError):  # every rank may try; the first one's rename is the swap
+            os.rename(directory + ".old", directory)
     found = [p for p in (whole, directory) if os.path.exists(p)]
     if len(found) == 2:  # stopped between a save and the removal of the other kind's older one
         try:

@@ -1,5 +1,5 @@
 """Tests of sharded training: FSDP2 (sharding.fully_shard_model) against DDP, Muon on whole matrices under FSDP
-(optim.py), and sharded checkpoints (DCP, checkpoint.py): resharding on resume from 2 ranks to 1 and to 4, a
+(sharding.Exchange), and sharded checkpoints (DCP, sharding.py): resharding on resume from 2 ranks to 1 and to 4, a
 kill -9 under --max-restarts, a full disk mid-write, a swap cut short, the weights-only export. gloo on the CPU,
 1 to 4 processes; what needs NCCL and bf16 on a GPU is in test_cuda.py. FSDP equals DDP here bit for bit: the same
 gradients (2 ranks: a sum of two, then a halving, in either) and the same Muon update (the owners run the unsharded

@@ -22,8 +22,13 @@ from test_faults import LIMIT, args, finish, kill_at_once, start, wait_for_step,
 from test_faults import unbroken  # noqa: F401  (a fixture: the unbroken run of 2 processes)
 from test_train import assert_same_run, data_dir, read_log  # noqa: F401  (data_dir: the toy shards fixture)
 
-needs("needs root (it makes network namespaces)" if os.geteuid() else
-      None if shutil.which("ip") else "needs iproute2's ip (apt-get install iproute2)")
+
+@pytest.fixture(scope="module", autouse=True)
+def root_and_iproute2():
+    """In a fixture, not at import: in CI a missing one fails these tests, not the whole session's collection."""
+    needs("needs root (it makes network namespaces)" if os.geteuid() else
+          None if shutil.which("ip") else "needs iproute2's ip (apt-get install iproute2)")
+
 
 NET = "192.0.2"  # RFC 5737's TEST-NET-1: documentation addresses, which no network routes
 PORT = 29500  # torchrun's default rendezvous port: free in a namespace of the test's own

@@ -196,7 +196,7 @@ def test_muon_dispatches_per_shape_not_per_matrix():
     The 450M dyn_exo layout (175 matrices of 5 shapes): 774 aten ops, from 4,664 when each matrix had its own."""
     deep, shallow = muon_step_ops("configs/dyn_exo.py"), muon_step_ops("configs/dyn_exo.py", n_layer=2)
     assert deep[1] == 175 and shallow[1] == 13
-    assert deep[0] == shallow[0]
+    assert deep[0] == shallow[0] == 774
 
 
 def test_schedules_at_chosen_steps():

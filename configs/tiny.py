@@ -1,7 +1,7 @@
 # The quick start: a CPU-sized model and a short run on the built-in corpus. Put it after any variant file,
 #   python train.py configs/dyn_exo.py configs/tiny.py
 # 4 layers of width 128, 256-token windows; 150 steps of 2,048 tokens (307K tokens; the corpus has 4.9M train tokens
-# on Debian's Python, the smallest build measured, so no batch repeats). On 2 CPU cores the run takes about 4
+# on Debian's Python, the smallest build measured, so no batch repeats). On 2 CPU cores the run takes under 5
 # minutes; the logits over GPT-2's 50,304 tokens are most of its cost, so that is set by the tokens per step, not by
 # the width. (The README's study ran this at --max_steps=200.)
 n_layer = 4
