@@ -365,10 +365,10 @@ def build_corpus(data_dir, lib_dir=None, workers=min(CORPUS_WORKERS, os.cpu_coun
     docs, skipped = library_documents(lib_dir)
     if not docs:
         raise ValueError(f"{lib_dir}: no Python modules in it")
-    names = sorted(docs, key=corpus_order)
-    split = {"val": [n for n in names if int.from_bytes(corpus_order(n)[:8], "big") % CORPUS_VAL_ONE_IN == 0]}
-    val = set(split["val"])
-    split["train"] = [n for n in names if n not in val]
+    order = {n: corpus_order(n) for n in docs}  # each name hashed once: its place, and its split
+    names = sorted(docs, key=order.get)
+    val = {n for n in names if int.from_bytes(order[n][:8], "big") % CORPUS_VAL_ONE_IN == 0}
+    split = {"val": [n for n in names if n in val], "train": [n for n in names if n not in val]}
     os.makedirs(os.path.dirname(os.path.abspath(data_dir)), exist_ok=True)
     stage = tempfile.mkdtemp(prefix=f"{name}.tmp", dir=os.path.dirname(os.path.abspath(data_dir)))
     umask = os.umask(0o22)
