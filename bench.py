@@ -41,8 +41,8 @@ import parallel
 import sharding
 from configurator import help_text, key_comments, load_config, wants_help
 from model import EOT, GPT, GPTConfig, flops_per_token
-from optim import build_optimizers, clip_gradients, moment_shape, muon_params
-from train import ALL_DEFAULTS, help_sections, split_config
+from optim import Muon, clip_gradients, moment_shape, muon_params, state_floats
+from train import ALL_DEFAULTS, build_optimizers, help_sections, split_config
 
 BENCH_DEFAULTS = dict(
     steps=5,  # timed steps per model per round
@@ -59,10 +59,10 @@ GPU_MODELS = ["configs/gated.py", "configs/dyn_exo.py"]  # the paper's pair at 4
 # ExoFormer's extra step time over Gated Attention's in the authors' code, as the paper reports it (the figure
 # docs/REFERENCE.md and issue 20 quote)
 PAPER_OVERHEAD = "8-15%"
-# What a GPU holds besides activations, per parameter: fp32 weights, gradients (DDP's buckets are the same memory:
-# parallel.data_parallel's gradient_as_bucket_view) and optimiser state (Muon: momentum + small NorMuon moments;
-# AdamW: two moments); bytes per parameter.
-STATE_BYTES = {"muon": 4 + 4 + 4, "adam": 4 + 4 + 8}
+# What a GPU holds besides activations, per parameter: fp32 weights and gradients (DDP's buckets are the same memory:
+# parallel.data_parallel's gradient_as_bucket_view), and its optimiser's fp32 state (optim.state_floats: Muon a
+# momentum, its NorMuon moments being small; AdamW two moments); bytes per parameter.
+WEIGHT_BYTES = GRAD_BYTES = 4
 LOGIT_BYTES = 2 + 4 + 4  # a loss chunk's transient logits: bf16, fp32, and their gradient
 HEADROOM = 0.9  # of a GPU's memory usable for all this: the rest for CUDA context, workspaces, fragmentation
 # FSDP's transient bytes per parameter: the unit being run and the one prefetched, gathered in bf16 with their
@@ -213,8 +213,7 @@ def build(row, env):
     else:
         row.model = model.to(env.device)
         row.forward = parallel.data_parallel(torch.compile(row.model) if env.compile else row.model, env)
-    row.optimizers = build_optimizers(row.model, row.cfg, env.rank, env.world_size) \
-        if row.bench["optimizer"] else None
+    row.optimizers = build_optimizers(row.model, row.cfg) if row.bench["optimizer"] else None
 
 
 class CollectiveBytes(TorchDispatchMode):
@@ -238,12 +237,14 @@ def local_bytes(tensors):
 
 
 def rank_table(runs, x, y, env):
-    """Under torchrun, per row: this rank's bytes of parameters, gradients, Muon's and AdamW's states (FSDP: its
+    """Under torchrun, per row: this rank's bytes of parameters, gradients, each optimiser's state (FSDP: its
     shards), and the bytes of one step's collectives, by kind (CollectiveBytes), with the step time against the
     first row's."""
     kinds = ["all_reduce", "all_gather", "reduce_scatter", "all_to_all"]
+    names = [type(opt).__name__ for opt in (runs[0].optimizers or {}).values()]
     print(f"\nrank 0 of {env.world_size}, one step: MiB held, MB passed to collectives\n{'config':<28}{'ms/step':>9}"
-          f"{'ratio':>7}{'params':>9}{'grads':>9}{'Muon':>9}{'AdamW':>9}" + "".join(f"{k:>15}" for k in kinds))
+          f"{'ratio':>7}{'params':>9}{'grads':>9}" + "".join(f"{n:>9}" for n in names)
+          + "".join(f"{k:>15}" for k in kinds))
     for row in runs:
         with CollectiveBytes() as counted:
             with env.runtime.autocast():
@@ -251,7 +252,8 @@ def rank_table(runs, x, y, env):
             held = [local_bytes(row.model.parameters()), local_bytes(p.grad for p in row.model.parameters())]
             if row.optimizers:
                 optimizer_step(row)
-        held += [local_bytes(v for s in opt.state.values() for v in s.values()) for opt in row.optimizers or []]
+        held += [local_bytes(v for s in opt.state.values() for v in s.values())
+                 for opt in (row.optimizers or {}).values()]
         ms = statistics.median(row.times) * 1000
         print(f"{row.name:<28}{ms:>9.1f}{statistics.median(row.times) / statistics.median(runs[0].times):>7.3f}"
               + "".join(f"{b / 2**20:>9.3f}" for b in held) + "".join(f"{counted.bytes[k] / 1e6:>15.3f}" for k in kinds))
@@ -324,8 +326,10 @@ def memory_table(runs, env):
         row.total = row.fixed + row.config.n_layer * row.per_layer + recompute
         with torch.device("meta"):
             full = GPT(row.config)
-        n_muon = sum(p.numel() for p in muon_params(full))
-        row.state = n_muon * STATE_BYTES["muon"] + (full.num_params() - n_muon) * STATE_BYTES["adam"] + \
+        trained = [(opt, p) for opt in build_optimizers(full, row.cfg).values() for g in opt.param_groups
+                   for p in g["params"]]  # a frozen parameter (anchor_frozen): its weights only
+        row.state = WEIGHT_BYTES * full.num_params() + sum((GRAD_BYTES + 4 * state_floats(opt)) * p.numel()
+                                                           for opt, p in trained) + \
             full.loss_chunk * row.config.vocab_size * LOGIT_BYTES
         row.fits = [max(0, int((gb * 1e9 * HEADROOM - row.state) // row.total)) for gb in (40, 80, 141)]
         print(f"{row.name:<36}{full.num_params():>14,}{row.per_layer / 2**20:>8.1f} MiB{row.fixed / 2**20:>6.0f} MiB"
@@ -335,35 +339,39 @@ def memory_table(runs, env):
     return runs
 
 
-def sharded_bytes(model, n):
+def sharded_bytes(model, n, cfg):
     """Bytes per GPU of a model (on the meta device) sharded by FSDP over n GPUs, from its shapes: (weights,
-    gradients, Muon's state, AdamW's state, transient): fp32 shards of ceil(rows / n) rows, and what a step
-    gathers (GATHERED_BYTES of the largest unit twice and of the root unit, OWNED_BYTES of Muon's share)."""
+    gradients, each optimiser's state, transient): fp32 shards of ceil(rows / n) rows (Muon: momentum and NorMuon's
+    moments; any other optimiser: optim.state_floats), and what a step gathers (GATHERED_BYTES of the largest unit
+    twice and of the root unit, OWNED_BYTES of Muon's share)."""
     shard = lambda shape: -(-shape[0] // n) * math.prod(shape[1:])
-    muon = {id(p) for p in muon_params(model)}
     weights = 4 * sum(shard(p.shape) for p in model.parameters())
-    moments = sum(shard(p.shape) + shard(moment_shape(*p.shape)) for p in model.parameters() if id(p) in muon)
-    adam = 8 * sum(shard(p.shape) for p in model.parameters() if id(p) not in muon)
+    states = [4 * sum(shard(p.shape) + shard(moment_shape(*p.shape)) if isinstance(opt, Muon) else
+                      state_floats(opt) * shard(p.shape) for g in opt.param_groups for p in g["params"])
+              for opt in build_optimizers(model, cfg).values()]
     units = [sum(p.numel() for p in m.parameters()) for m in [*model.blocks, model.wte, model.anchor_proj] if m]
     gathered = GATHERED_BYTES * (2 * max(units) + model.num_params() - sum(units))
     owned = OWNED_BYTES * sum(p.numel() for p in muon_params(model)) / n
     logits = model.loss_chunk * model.config.vocab_size * LOGIT_BYTES
-    return weights, weights, 4 * moments, adam, gathered + owned + logits
+    return weights, weights, *states, gathered + owned + logits
 
 
 def sharded_table(runs):
     """--ranks: per model and number of GPUs, the bytes per GPU under FSDP and the micro-batch that fits 40, 80 and
     141 GB beside them (the activation table's GiB/seq per sequence)."""
+    with torch.device("meta"):
+        names = [type(opt).__name__ for opt in build_optimizers(GPT(runs[0].config), runs[0].cfg).values()]
     print(f"\nFSDP over N GPUs, per GPU (GiB): weights, gradients, optimiser states (shards), transient (estimate)"
-          f"\n{'config':<36}{'N':>5}{'weights':>9}{'grads':>7}{'Muon':>7}{'AdamW':>7}{'transient':>10}"
+          f"\n{'config':<36}{'N':>5}{'weights':>9}{'grads':>7}" + "".join(f"{n:>7}" for n in names) + f"{'transient':>10}"
           f"{'B @ 40GB':>10}{'B @ 80GB':>10}{'B @ 141GB':>11}")
     for row in runs:
         with torch.device("meta"):
             full = GPT(row.config)
         for n in row.bench["ranks"]:
-            held = sharded_bytes(full, n)
+            held = sharded_bytes(full, n, row.cfg)
             fits = [max(0, int((gb * 1e9 * HEADROOM - sum(held)) // row.total)) for gb in (40, 80, 141)]
-            print(f"{row.name:<36}{n:>5}" + "".join(f"{b / 2**30:>{w}.2f}" for b, w in zip(held, (9, 7, 7, 7, 10)))
+            print(f"{row.name:<36}{n:>5}" + "".join(f"{b / 2**30:>{w}.2f}" for b, w in
+                                                     zip(held, (9, 7, *[7] * (len(held) - 3), 10)))
                   + f"{fits[0]:>10}{fits[1]:>10}{fits[2]:>11}")
 
 
@@ -386,9 +394,9 @@ def step(row, x, y, env):
 
 
 def optimizer_step(row):
-    """Clip the gradients, then step and clear both optimisers, as train.py's loop does."""
+    """Clip the gradients, then step and clear every optimiser, as train.py's loop does."""
     clip_gradients(row.model, row.cfg.grad_clip)
-    for opt in row.optimizers:
+    for opt in row.optimizers.values():
         opt.step()
         opt.zero_grad(set_to_none=True)
 

@@ -13,9 +13,12 @@ checkpoint can never run code:
     step           optimiser steps taken
     config         train.py's whole configuration (absent from converted authors' models)
     source         convert.py's note of where the weights came from (weights-only files only)
-and, for resuming: optimizers, loader, rng, pending_log. A run under FSDP writes the directory ckpt.dcp instead
-(sharding.py); a model folder in the Hugging Face format (hf.py) reads as a weights-only checkpoint.
+and, for resuming, a run's resumable parts, each under its name ("parts" lists them): model, optimizers (each
+optimiser's state by its name), loader, rng, and any a fork registers; pending_log. A run under FSDP writes the
+directory ckpt.dcp instead (sharding.py); a model folder in the Hugging Face format (hf.py) reads as a weights-only
+checkpoint.
 """
+import errno
 import os
 import random
 import shutil
@@ -30,7 +33,8 @@ from files import atomic_write
 from model import GPT, GPTConfig, check_state
 
 WEIGHTS = ("model", "model_config", "step", "config", "source")  # what a weights-only checkpoint keeps
-RESUME = ("model", "model_config", "step", "optimizers", "loader", "rng")  # what resuming needs
+# the parts of a checkpoint written before they were listed in it (its optimizers a list: [Muon's, AdamW's])
+EARLIER_PARTS = ("model", "optimizers", "loader", "rng")
 
 
 def checkpoint_path(out_dir, sharded=False):
@@ -50,24 +54,33 @@ def branch_path(out_dir, step, sharded=False):
     return os.path.join(out_dir, f"ckpt_{step:06d}_full.{'dcp' if sharded else 'pt'}")
 
 
+def is_branch(path, out_dir):
+    """Whether a run in out_dir starting from the checkpoint path starts from another run's (a branch point of
+    keep_full), not from its own, of either kind."""
+    return path not in (checkpoint_path(out_dir), checkpoint_path(out_dir, sharded=True))
+
+
 # ----------------------------------------------------------------------------- the resumable kind
 
-def save_resumable(path, model, optimizers, loader, config, step, pending_log=None, master=True):
-    """Saving a training run's checkpoint at `step`: what --init_from=resume needs to continue it bit for bit (config:
-    train.py's whole configuration, flat; pending_log: the log entry of a stop at an evaluation step). Rank 0 writes
-    it, atomically: a crash mid-write, or a full disk (an OSError), leaves the previous one intact. Under FSDP it
-    is a directory that every rank writes (sharding.save). Written as a run's ckpt.pt or ckpt.dcp, it
-    removes the other kind's there, which is older (a run that switched between DDP and FSDP)."""
-    pending = {"pending_log": pending_log} if pending_log else {}
-    if sharding.reshard(model):  # FSDP: every rank writes its shards
-        sharding.save(path, model, optimizers, {"model_config": asdict(model.config), "config": config, "step": step,
-                                                "loader": loader.state_dict(), "rng": _rng_state(as_json=True),
-                                                **pending}, master)
-    elif master:
-        with atomic_write(path) as f:
-            torch.save({"model": model.state_dict(), "model_config": asdict(model.config), "config": config,
-                        "step": step, "optimizers": [opt.state_dict() for opt in optimizers],
-                        "loader": loader.state_dict(), "rng": _rng_state(), **pending}, f)
+def save_resumable(path, parts, header, worker=None):
+    """A training run's checkpoint: every resumable part's state_dict() under its name (parts: {name: part}, the
+    model first), beside header (model_config, config, step, pending_log: plain values). Rank 0 writes it,
+    atomically: a crash mid-write, or a full disk, leaves the previous one intact; under FSDP it is a directory that
+    every rank writes (sharding.save). worker (None: one process): every rank learns whether that worked, and a
+    rank's OSError is raised on all of them. Written as a run's ckpt.pt or ckpt.dcp, it removes the other kind's
+    there, which is older (a run that switched between DDP and FSDP)."""
+    master, error = worker is None or worker.master, None
+    try:
+        if sharding.reshard(parts["model"]):  # FSDP: every rank writes its shards
+            sharding.save(path, parts, header, master)
+        elif master:
+            with atomic_write(path) as f:
+                torch.save({**header, "parts": list(parts), **{n: part.state_dict() for n, part in parts.items()}}, f)
+    except OSError as e:
+        error = e
+    if worker.any(error is not None) if worker else error:
+        why = f"{error.strerror or error}" if error else "rank 0 could not write it"
+        raise OSError(f"{path}: {why}{' (the disk is full)' if error and error.errno == errno.ENOSPC else ''}")
     other = {"ckpt.pt": "ckpt.dcp", "ckpt.dcp": "ckpt.pt"}.get(os.path.basename(path))
     if master and other and os.path.exists(os.path.join(os.path.dirname(path), other)):
         _remove(os.path.join(os.path.dirname(path), other))
@@ -75,11 +88,11 @@ def save_resumable(path, model, optimizers, loader, config, step, pending_log=No
 
 def load_resumable(out_dir, init_from, eval_only=False, sharded=False):
     """Resuming: (checkpoint, its path) that a train.py run starts from, on the CPU (RNG states must stay CPU
-    tensors), or (None, None) for a new run. auto: out_dir's checkpoint if there is one, of either kind (the later one if both;
-    when there is none, the kind this run writes). A file (a branch point of keep_full): that file, or out_dir's own
-    checkpoint once there is one (a branch that was stopped goes on from it). A file that is not a resumable
-    checkpoint is an error, never overwritten. FSDP's ckpt.dcp comes as its state.json: restore puts its tensors
-    into the model and optimisers themselves. eval_only: out_dir's checkpoint, of any kind."""
+    tensors), or (None, None) for a new run. auto: out_dir's checkpoint if there is one, of either kind (the later
+    one if both; when there is none, the kind this run writes). A file (a branch point of keep_full): that file, or
+    out_dir's own checkpoint once there is one (a branch that was stopped goes on from it). A file that is not a
+    resumable checkpoint is an error, never overwritten. FSDP's ckpt.dcp comes as its state.json: restore puts its
+    tensors into the parts themselves. eval_only: out_dir's checkpoint, of any kind."""
     own = sharding.resume_path(checkpoint_path(out_dir), checkpoint_path(out_dir, sharded=True), sharded)
     if not eval_only and (init_from == "scratch" or (init_from == "auto" and not os.path.exists(own))):
         return None, None
@@ -87,13 +100,11 @@ def load_resumable(out_dir, init_from, eval_only=False, sharded=False):
     if path == init_from and not os.path.exists(path):
         raise ValueError(f"init_from={init_from!r}: no such file; expected 'scratch', 'resume', 'auto' or a "
                          f"checkpoint to branch from (a ckpt_<step>_full.pt, or .dcp, of keep_full)")
-    keys = ("model", "model_config", "step") if eval_only else RESUME
     try:
-        if _is_dcp(path):
-            ckpt = sharding.read_state(path)
-            _check_keys(ckpt, [k for k in keys if k not in ("model", "optimizers")], path)
-        else:
-            ckpt = load_checkpoint(path, keys)
+        ckpt = sharding.read_state(path) if _is_dcp(path) else load_checkpoint(path, ("model", "model_config", "step"))
+        _check_keys(ckpt, ("model_config", "step") if eval_only else ("model_config", "step", "config"), path)
+        if not eval_only and "parts" not in ckpt and "optimizers" not in ckpt and "param_groups" not in ckpt:
+            raise ValueError(f"{path}: no resumable parts in this checkpoint")
     except ValueError as e:
         if eval_only:
             raise
@@ -102,43 +113,67 @@ def load_resumable(out_dir, init_from, eval_only=False, sharded=False):
     return ckpt, path
 
 
-def restore(ckpt, model, optimizers=None, loader=None):
-    """A checkpoint put back into a run: the weights into model; with optimizers, their states; with loader, its
-    data position and the RNG states. Either kind of checkpoint goes into either kind of model (sharding.restore:
-    a ckpt.dcp into any model, or any checkpoint into a model under FSDP). Returns the checkpoint's pending_log."""
-    if "sharded" in ckpt or sharding.reshard(model):
-        sharding.restore(ckpt, model, optimizers)
-    else:
-        model.load_state_dict(ckpt["model"])
-        for opt, state in zip(optimizers or [], ckpt.get("optimizers", [])):
-            opt.load_state_dict(state)
-    if loader is not None:
-        loader.load_state_dict(ckpt["loader"])
-        _set_rng_state(ckpt["rng"])
+def restore(ckpt, parts, path, every_part=True):
+    """A checkpoint put back into a run: each of parts ({name: part}, the model first) from its state under its name.
+    every_part: the checkpoint's parts and these are the same names (a resume; eval_only takes the model alone). Either
+    kind of checkpoint goes into either kind of model (sharding.restore: a ckpt.dcp into any model, or any
+    checkpoint into a model under FSDP). A part that does not fit is a one-line error. Returns the pending_log."""
+    saved = ckpt.get("parts", EARLIER_PARTS)
+    missing, extra = [n for n in parts if n not in saved], [n for n in saved if n not in parts and every_part]
+    if missing or extra:
+        raise ValueError(f"{path}: " + "; ".join(
+            [f"no {', '.join(missing)} in it, which this run has"] * bool(missing) +
+            [f"it holds {', '.join(extra)}, which this run has none of (it would be lost)"] * bool(extra)))
+    try:
+        if "sharded" in ckpt or sharding.reshard(parts["model"]):
+            sharding.restore(ckpt, parts)
+        else:
+            for name, part in parts.items():
+                part.load_state_dict(ckpt[name])
+    except (ValueError, KeyError, RuntimeError) as e:  # torch's: a model's missing keys, a group of another size
+        lines = [line.strip() for line in str(e).strip().splitlines()] or [type(e).__name__]
+        raise ValueError(f"{path}: {' '.join(lines[:2])}") from None  # torch's: a heading, then what
     return ckpt.get("pending_log")
 
 
-def _rng_state(as_json=False):
-    """Python's, numpy's, torch's (and CUDA's) RNG states, as a checkpoint keeps them (as_json: torch's as lists
-    of bytes, for a ckpt.dcp's state.json; _set_rng_state takes either)."""
-    np_state = np.random.get_state()
-    state = {"python": random.getstate(), "torch": torch.get_rng_state(),
-             "numpy": (np_state[0], np_state[1].tolist(), *np_state[2:])}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    if as_json:
-        state.update(torch=state["torch"].tolist(), **({"cuda": [t.tolist() for t in state["cuda"]]}
-                                                         if "cuda" in state else {}))
-    return state
+def continued_keys(ckpt, given, path, defaults, changeable, why, own):
+    """(saved, keys) of a run that continues a checkpoint, both flat: saved, the checkpoint's (a key it lacks, added
+    after it was written, at its default; doc_mask: trained_doc_mask); keys, the run's: saved, but the keys of own at
+    their defaults, then what is given. A given key that is not changeable and differs from saved is refused in one
+    line naming both values, and why."""
+    recorded = {**ckpt.get("config", {}), **ckpt["model_config"], "doc_mask": trained_doc_mask(ckpt)}
+    saved = {k: recorded.get(k, default) for k, default in defaults.items()}
+    saved.update({k: tuple(v) for k, v in saved.items() if isinstance(v, list)})  # a tuple key, as JSON keeps it
+    refused = [k for k in defaults if k in given and k not in changeable and given[k] != saved[k]]
+    if refused:
+        show = lambda d: ", ".join(f"{k}={d[k]!r}" for k in refused)
+        raise ValueError(f"{path}: {show(saved)} in the checkpoint, {show(given)} given: {why} (leave the key out to "
+                         f"take the checkpoint's)")
+    return saved, {**saved, **{k: defaults[k] for k in own}, **given}
 
 
-def _set_rng_state(state):
-    random.setstate((state["python"][0], tuple(state["python"][1]), state["python"][2]))  # JSON made them lists
-    torch.set_rng_state(torch.as_tensor(state["torch"], dtype=torch.uint8))
-    name, keys, *rest = state["numpy"]
-    np.random.set_state((name, np.array(keys, dtype=np.uint32), *rest))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all([torch.as_tensor(t, dtype=torch.uint8) for t in state["cuda"]])
+class RNG:
+    """Python's, numpy's, torch's (and CUDA's) random number generators, as a resumable part. Its state: torch's as
+    tensors, the rest as JSON's types (a ckpt.dcp keeps those in its state.json)."""
+
+    @staticmethod
+    def state_dict():
+        np_state = np.random.get_state()
+        state = {"python": random.getstate(), "torch": torch.get_rng_state(),
+                 "numpy": (np_state[0], np_state[1].tolist(), *np_state[2:])}
+        if torch.cuda.is_available():
+            state["cuda"] = {str(i): t for i, t in enumerate(torch.cuda.get_rng_state_all())}
+        return state
+
+    @staticmethod
+    def load_state_dict(state):  # torch's, CUDA's: tensors, or lists of bytes (a ckpt.dcp of before, in state.json)
+        random.setstate((state["python"][0], tuple(state["python"][1]), state["python"][2]))  # JSON made them lists
+        torch.set_rng_state(torch.as_tensor(state["torch"], dtype=torch.uint8))
+        name, keys, *rest = state["numpy"]
+        np.random.set_state((name, np.array(keys, dtype=np.uint32), *rest))
+        if "cuda" in state and torch.cuda.is_available():
+            cuda = state["cuda"].values() if isinstance(state["cuda"], dict) else state["cuda"]
+            torch.cuda.set_rng_state_all([torch.as_tensor(t, dtype=torch.uint8) for t in cuda])
 
 
 def _remove(path):

@@ -81,7 +81,8 @@ def wants_help(args):
 def key_comments(path, name):
     """{key: meaning} from the Python file `path`: the trailing comment of each line of the top-level
     assignment or class `name` that reads `key=value,  # meaning`, `key = value  # meaning` or
-    `key: type = value  # meaning` (a dict(...) of defaults, a dataclass)."""
+    `key: type = value  # meaning` (a dict(...) of defaults, a dataclass). A meaning goes on over the comment lines
+    right below whose `#` stands in the same column as its own."""
     with open(path, encoding="utf-8") as f:
         source = f.read()
     node = next(n for n in ast.parse(source).body if name == getattr(n, "name", None) or
@@ -91,11 +92,16 @@ def key_comments(path, name):
     for tok in tokenize.generate_tokens(io.StringIO(segment).readline):
         if tok.type not in (tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT):
             rows.setdefault(tok.start[0], []).append(tok)
-    meanings = {}
+    meanings, last = {}, None  # last: the key whose meaning a comment line below may go on with, and its column
     for toks in rows.values():
         if (len(toks) >= 3 and toks[0].type == tokenize.NAME and toks[1].string in ("=", ":")
                 and toks[-1].type == tokenize.COMMENT):
             meanings[toks[0].string] = toks[-1].string.lstrip("#").strip()
+            last = toks[0].string, toks[-1].start[1]
+        elif last and len(toks) == 1 and toks[0].type == tokenize.COMMENT and toks[0].start[1] == last[1]:
+            meanings[last[0]] += " " + toks[0].string.lstrip("#").strip()  # a comment line under the key's own
+        else:
+            last = None
     return meanings
 
 

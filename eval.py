@@ -525,7 +525,7 @@ def run_harness(args):
         from lm_eval.tasks import TaskManager
         from lm_eval.utils import handle_non_serializable, make_table
     except ImportError:
-        raise SystemExit(f"eval.py: error: --harness needs lm-evaluation-harness: {HARNESS_PIP}")
+        raise ValueError(f"--harness needs lm-evaluation-harness: {HARNESS_PIP}") from None
     try:
         if args.include_path is not None and not os.path.isdir(args.include_path):
             raise ValueError(f"--include_path {args.include_path}: no such folder")
@@ -541,16 +541,16 @@ def run_harness(args):
             raise ValueError(f"--harness: unknown task(s) {'; '.join(f'{t} (close: {close(t)})' for t in unknown)}: "
                              f"not among the harness's tasks{where}")
         lm = harness_class()(args.ckpt, args.tokenizer, args.batch_size, args.device, args.dtype, args.drop_anchor)
-    except (ValueError, OSError, ImportError) as e:  # ImportError: the Hugging Face format's packages
-        raise SystemExit(f"eval.py: error: {e}")
+    except ImportError as e:  # the Hugging Face format's packages
+        raise ValueError(str(e)) from None
     try:
         results = lm_eval.simple_evaluate(model=lm, tasks=args.harness, num_fewshot=args.shots, limit=args.limit,
                                           task_manager=tasks, log_samples=False)
     except (OSError, ValueError) as e:  # e.g. a data set neither reachable nor cached, more shots than a task has
         hint = "; without internet, fill the harness's cache (~/.cache/huggingface) on a machine with it, or " \
                "point a task YAML at local files (--include_path)" if isinstance(e, ConnectionError) else ""
-        raise SystemExit(f"eval.py: error: the harness stopped: {type(e).__name__}: "
-                         f"{(str(e).strip() or '?').splitlines()[0]}{hint}")
+        raise ValueError(f"the harness stopped: {type(e).__name__}: {(str(e).strip() or '?').splitlines()[0]}"
+                         f"{hint}") from None
     print(make_table(results))
     if results.get("groups"):
         print(make_table(results, "groups"))
@@ -577,7 +577,10 @@ def print_table(results, average):
 def main(argv=None):
     args = parse_args(argv)
     if args.harness is not None:
-        return run_harness(args)
+        try:
+            return run_harness(args)
+        except (ValueError, OSError) as e:  # run_harness's checks, and a harness that stopped: one line each
+            raise SystemExit(f"eval.py: error: {e}")
     runtime = Runtime.pick(args.device, args.dtype)
     # cheap checks first: tokenizer, checkpoint, anchor option; then the data of every task; then scoring
     try:

@@ -1,8 +1,8 @@
 """
 The optimisers of the paper's recipe: Muon (Nesterov momentum, Polar Express, NorMuon, cautious weight decay) for the
-weight matrices inside the network, AdamW for everything else. train.py's loop clips the gradients (clip_gradients),
-sets both optimisers' learning rates and Muon's momentum (its schedule), and steps them; Muon.update is what a step
-does with a stack of matrices, in the paper's order.
+weight matrices inside the network (muon_params), AdamW for everything else. train.py builds them by name
+(build_optimizers: an Optimizers), sets their learning rates and Muon's momentum (its schedule), clips the gradients
+(clip_gradients) and steps them; Muon.update is what a step does with a stack of matrices, in the paper's order.
 """
 import math
 
@@ -35,9 +35,13 @@ class Muon(torch.optim.Optimizer):
     checkpointable from rank 0). Under FSDP each matrix's owner runs steps 2 and 3 on it whole (sharding.Exchange).
     The weight decay is lr · wd, as in the authors' train.py (modded-nanogpt scales its own by lr² instead)."""
 
-    def __init__(self, params, lr, momentum, beta2, weight_decay, rank=0, world_size=1):
+    def __init__(self, params, lr, momentum, beta2, weight_decay, rank=None, world_size=None):
         super().__init__(params, dict(lr=lr, momentum=momentum, beta2=beta2, weight_decay=weight_decay))
-        self.rank, self.world_size = rank, world_size  # DDP's: each rank orthogonalises a share of every stack
+        # DDP's: each rank orthogonalises a share of every stack (None: this process's place in its process group);
+        # a sharded model's owners hold whole matrices, and one process has no share to take
+        sharded = any(sharding.is_sharded(p) for g in self.param_groups for p in g["params"])
+        ranks = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() and not sharded else (0, 1)
+        self.rank, self.world_size = ranks[0] if rank is None else rank, ranks[1] if world_size is None else world_size
 
     @torch.no_grad()
     def step(self, closure=None):  # closure: the Optimizer API's (torch's state-dict functions pass None)
@@ -161,25 +165,64 @@ def muon_params(model):
     return [p for p in model.parameters() if id(p) in linear and p.requires_grad]  # a shared tensor is listed once
 
 
-def build_optimizers(model, cfg, rank=0, world_size=1):
-    """Muon for the weights of the nn.Linear layers inside the network (blocks, anchor_proj, dynamic MLPs):
-    maps from one hidden vector to another, which is what Muon's orthogonalised update suits. AdamW for
-    everything else: the embedding, lm_head (its output is the vocabulary, not a hidden vector), norm
-    weights, biases, λ, and any parameter a fork adds outside nn.Linear, whatever its shape. A frozen
-    parameter (requires_grad=False: anchor_frozen) is in neither. cfg: train.py's TrainConfig (its keys); rank and
-    world_size: DDP's (a sharded model's owners hold whole matrices: no share)."""
-    muon = muon_params(model)
-    adam = [p for p in model.parameters() if id(p) not in set(map(id, muon)) and p.requires_grad]
-    fused = {"fused": True} if next(model.parameters()).is_cuda else {}
-    if muon and sharding.is_sharded(muon[0]):
-        rank, world_size = 0, 1
-    return [Muon(muon, cfg.muon_lr, cfg.muon_momentum, cfg.muon_beta2, cfg.muon_weight_decay, rank, world_size),
-            torch.optim.AdamW(adam, lr=cfg.adam_lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
-                              weight_decay=cfg.adam_weight_decay, **fused)]
+class Optimizers(dict):
+    """A run's optimisers by name ({"muon": Muon, "adam": AdamW} in the recipe; a fork adds any torch.optim.Optimizer)
+    as one resumable part: its state is each optimiser's under its name, never paired by position."""
+
+    def state_dict(self):
+        return {name: opt.state_dict() for name, opt in self.items()}
+
+    def load_state_dict(self, states):
+        for name, state in self.named(states).items():
+            try:
+                self[name].load_state_dict(state)
+            except (ValueError, KeyError) as e:  # torch's own: a group of another size, say
+                raise ValueError(f"optimiser {name!r}: its saved state does not fit ({e})") from None
+
+    def set_schedule(self, scheduled):
+        """Each <name>_<key> of train.schedule()'s values into every param group of the optimiser of that name (each
+        needs its <name>_lr: a learning rate the config sets, never one left in a group by a loaded state). Returns
+        the learning rates, <name>_lr, for the log."""
+        for name, opt in self.items():
+            if f"{name}_lr" not in scheduled:
+                raise ValueError(f"the schedule has no {name}_lr for the optimiser {name!r}")
+            for key in [k for k in scheduled if k.startswith(f"{name}_")]:
+                for group in opt.param_groups:
+                    group[key.removeprefix(f"{name}_")] = scheduled[key]
+        return {f"{name}_lr": scheduled[f"{name}_lr"] for name in self}
+
+    def named(self, states):
+        """Saved states by name, checked against these optimisers' names: a missing, extra or renamed one is a
+        one-line error. A list (written before optimisers had names: [Muon's, AdamW's]) takes these names in their
+        order, or, where the groups' parameter counts tell otherwise, the one optimiser whose counts it has."""
+        if isinstance(states, list):
+            counts = lambda groups: [len(g["params"]) for g in groups]
+            mine = {name: counts(opt.param_groups) for name, opt in self.items()}
+            by_count = [[n for n, c in mine.items() if c == counts(s["param_groups"])] for s in states]
+            if all(len(n) == 1 for n in by_count) and len({n[0] for n in by_count}) == len(states):
+                states = {n[0]: s for n, s in zip(by_count, states)}
+            elif len(states) == len(self):
+                states = dict(zip(self, states))
+            else:
+                raise ValueError(f"{len(states)} optimisers in the checkpoint, {len(self)} in this run: "
+                                 f"{', '.join(self)}")
+        if set(states) != set(self):
+            raise ValueError(f"optimisers {', '.join(sorted(states))} in the checkpoint, {', '.join(self)} in this "
+                             f"run: a run resumes with the optimisers it was saved with")
+        return states
+
+
+def state_floats(optimizer):
+    """fp32 numbers an optimiser keeps per parameter once it has stepped (the disk plan, bench.py's memory estimate):
+    Muon's momentum (NorMuon's moments, a row or a column per matrix, left out); two moments for AdamW and any other
+    (Adam's kind, the common one)."""
+    return 1 if isinstance(optimizer, Muon) else 2
 
 
 def describe_optimizers(optimizers, model=None):
-    """One line: how many tensors and parameters each optimiser updates, and which ones none does (frozen)."""
+    """One line: how many tensors and parameters each optimiser (of an Optimizers, or a list) updates, and which ones
+    none does (frozen)."""
+    optimizers = optimizers.values() if isinstance(optimizers, dict) else optimizers
     def count(opt):
         params = [p for g in opt.param_groups for p in g["params"]]
         return f"{type(opt).__name__} {len(params)} tensors ({sum(p.numel() for p in params):,} parameters)"

@@ -249,6 +249,13 @@ class StopSignals:
         """Whether any rank received a signal: the same answer on every rank, so all stop after the same step."""
         return worker.any(self.received is not None)
 
+    def stopped(self, worker, step, ckpt_path):
+        """What stopped the run after step (this rank's signal, or another's), said on this rank's stderr."""
+        why = self.received or "a signal to another rank"
+        tell(f"train.py: rank {worker.rank}: stopped after step {step} ({why}); {ckpt_path} holds it: the same command "
+             f"with --init_from=auto continues the run (exit status {PREEMPTED})")
+        return why
+
 
 COLLECTIVE_ERRORS = ("gloo", "NCCL", "Timed out", "Connection closed", "Connection reset")  # their messages
 
@@ -261,15 +268,21 @@ def collective_failure(e, world_size):
     return re.sub(r"^\[[^]]*\]\s*", "", text.splitlines()[0]) if text else type(e).__name__
 
 
+class RunFailed(Exception):
+    """A run that cannot go on (a failed collective, a non-finite loss, a checkpoint that could not be written): its
+    message, one line, says why and what resumes it. train.py's main prints it and exits."""
+
+
 @contextlib.contextmanager
-def collectives_fail_in_one_line(worker, timeout, resume_hint):
+def collectives_fail_in_one_line(worker, timeout, ckpt_path):
     """A collective that fails inside (a peer died or hangs: gloo and NCCL raise RuntimeError or its subclass
-    DistError) ends this process with one line saying so and how to resume; any other error passes through."""
+    DistError) becomes a RunFailed, one line saying so and how to resume from ckpt_path; any other error passes
+    through."""
     try:
         yield
     except RuntimeError as e:
         why = collective_failure(e, worker.world_size)
         if why is None:
             raise
-        sys.exit(f"train.py: error: rank {worker.rank}: a collective failed ({why}): another process died or "
-                 f"stopped answering (dist_timeout={timeout} s); {resume_hint}")
+        raise RunFailed(f"rank {worker.rank}: a collective failed ({why}): another process died or stopped "
+                        f"answering (dist_timeout={timeout} s); --init_from=auto resumes from {ckpt_path}") from None

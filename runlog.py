@@ -5,19 +5,21 @@ A training run's log: what train.py says as it trains, as lines on rank 0's stdo
 log.jsonl holds one JSON object per line, in step order:
     {"step", "config"}                   at every (re)start: train.py's whole configuration, flat
     {"step": 0, "val_loss"}              the validation loss the run starts from
-    {"step", "train_loss", "muon_lr", "adam_lr", "grad_norm", "step_ms", "tok_per_s"}   every log_interval steps,
-                                         with "val_loss" at evaluations, "epoch" when the data wraps around,
-                                         "mfu" on a GPU
+    {"step", "<name>_lr" of each optimiser (muon_lr, adam_lr), "train_loss", "grad_norm", "step_ms", "tok_per_s"}
+                                         every log_interval steps, with "val_loss" at evaluations, "epoch" when
+                                         the data wraps around, "mfu" on a GPU
 A resumed run first drops what came after its checkpoint's step, so the log reads as if it had never stopped.
 """
 import json
 import os
 
+import torch
 import torch.distributed as dist
 
+from checkpoint import is_branch
 from files import atomic_write, read_jsonl
 from model import flops_per_token
-from optim import describe_optimizers
+from optim import describe_optimizers, state_floats
 
 
 def log_path(out_dir):
@@ -41,8 +43,9 @@ def val_curve(entries, up_to=None):
 class Log:
     """What the run says: lines on rank 0's stdout, the same as JSON lines in <out_dir>/log.jsonl, and W&B."""
 
-    def __init__(self, run):
+    def __init__(self, run, defaults):
         self.run, self.say, self.times, self.file, self.wandb = run, run.worker.say, [], None, None
+        self.defaults = defaults  # train.py's keys: the start-up lines say which differ
         self.flops_per_step = flops_per_token(run.model, run.model.config.block_size) * run.cfg.total_batch_size
         if not run.worker.master:
             return
@@ -56,15 +59,13 @@ class Log:
             f.writelines(json.dumps(e) + "\n" for e in kept)
             f.write(json.dumps({"step": run.step, "config": run.flat_config()}) + "\n")  # every (re)start's config
         self.file = open(path, "a")
-        if cfg.wandb_log:
-            try:
-                import wandb
-            except ImportError:
-                raise SystemExit("train.py: error: wandb_log=True but wandb is not installed (pip install wandb)")
+        if cfg.wandb_log:  # TrainConfig.check: it is installed
+            import wandb
             self.wandb = wandb
             wandb.init(project=cfg.wandb_project, name=cfg.wandb_run_name, config=run.flat_config())
 
     def __enter__(self):
+        self.start()
         return self
 
     def __exit__(self, *exc):
@@ -79,38 +80,44 @@ class Log:
             if self.wandb is not None:
                 self.wandb.log(entry, step=entry["step"])
 
-    def step(self, entry):
-        """Print and record a step's entry, with the mean step time of the last log_interval steps."""
-        cfg, run, device = self.run.cfg, self.run, self.run.worker.device
-        dt = step_seconds(self.times, cfg.log_interval)
-        entry.update(step_ms=1000 * dt, tok_per_s=cfg.total_batch_size / dt)
-        mfu = ""
-        if device.startswith("cuda"):
-            entry["mfu"] = self.flops_per_step / dt / run.worker.world_size / cfg.gpu_peak_flops
-            mfu = f" | mfu {100 * entry['mfu']:.1f}%"
-        val = f" | val {entry['val_loss']:.4f}" if "val_loss" in entry else ""
-        self.say(f"step {run.step}/{cfg.max_steps} | loss {entry['train_loss']:.4f}{val} | lr {entry['muon_lr']:.2e} "
-                 f"(adam {entry['adam_lr']:.2e}) | grad norm {entry['grad_norm']:.3f} | {1000 * dt:.0f} ms | "
-                 f"{entry['tok_per_s']:,.0f} tok/s{mfu} | eta {dt * (cfg.max_steps - run.step) / 60:.1f} min")
+    def timing(self):
+        """The step time of the log: the mean of the last log_interval steps, its tokens per second, and on a GPU its
+        model FLOPs utilisation."""
+        cfg, dt = self.run.cfg, step_seconds(self.times, self.run.cfg.log_interval)
+        mfu = self.flops_per_step / dt / self.run.worker.world_size / cfg.gpu_peak_flops
+        return {"step_ms": 1000 * dt, "tok_per_s": cfg.total_batch_size / dt,
+                **({"mfu": mfu} if self.run.worker.device.startswith("cuda") else {})}
+
+    def write(self, entry):
+        """Print and record a log entry (train.log_entry's): a step's, or the validation loss the run starts from."""
+        cfg, run = self.run.cfg, self.run
+        if "epoch" in entry:  # this step's batch began the data again from the first shard
+            self.say(f"step {entry['step']}: end of the train data, wrapping around to its start: epoch "
+                     f"{entry['epoch']} begins")
+        val = f"val {entry['val_loss']:.4f}" if "val_loss" in entry else ""
+        if "train_loss" not in entry:  # step 0
+            self.say(f"step {entry['step']}: {val.replace('val', 'val loss')}")
+        else:
+            first, *others = [(name, entry[f"{name}_lr"]) for name in run.optimizers]
+            lrs = f"lr {first[1]:.2e}" + (f" ({', '.join(f'{n} {lr:.2e}' for n, lr in others)})" if others else "")
+            times = "" if "step_ms" not in entry else (  # a stop's entry of before, logged on resume, has none
+                f" | {entry['step_ms']:.0f} ms | {entry['tok_per_s']:,.0f} tok/s" +
+                (f" | mfu {100 * entry['mfu']:.1f}%" if "mfu" in entry else "") +
+                f" | eta {entry['step_ms'] * (cfg.max_steps - entry['step']) / 60_000:.1f} min")
+            self.say(f"step {entry['step']}/{cfg.max_steps} | loss {entry['train_loss']:.4f}{' | ' * bool(val)}{val} | "
+                     f"{lrs} | grad norm {entry['grad_norm']:.3f}{times}")
         self.record(entry)
 
-    def evaluation(self, entry, val_loss):
-        """The validation loss the run starts from (step 0), or the one a stop at an evaluation step left to do."""
-        entry = {**entry, "val_loss": val_loss}
-        self.say(f"step {entry['step']}: val loss {val_loss:.4f}" +
-                 (" (the evaluation left by the stop)" if entry["step"] else ""))
-        self.record(entry)
-
-    def start(self, defaults):
-        """The start-up lines: the configuration (where it differs from defaults), the optimisers, the layout, the
-        data and the disk the checkpoints will take."""
+    def start(self):
+        """The start-up lines: the configuration (where it differs from the defaults), the optimisers, the layout,
+        the data and the disk the checkpoints will take."""
         run, cfg, worker = self.run, self.run.cfg, self.run.worker
-        changed = {k: v for k, v in run.flat_config().items() if v != defaults[k]}
+        changed = {k: v for k, v in run.flat_config().items() if v != self.defaults[k]}
         self.say("config, where it differs from the defaults (log.jsonl has all of it): " +
                  (", ".join(f"{k}={v!r}" for k, v in changed.items()) or "none"))
         self.say(describe_optimizers(run.optimizers, run.model))
         if run.step:
-            branch = f" (a branch, into {cfg.out_dir})" if run.branched else ""
+            branch = f" (a branch, into {cfg.out_dir})" if is_branch(run.started_from, cfg.out_dir) else ""
             self.say(f"resuming from {run.started_from} at step {run.step}{branch}")
         self.say(f"{run.model.num_params():,} parameters, {worker.world_size} process(es) x {run.accum} micro-step(s) "
                  f"x {cfg.batch_size} x {run.model.config.block_size} tokens, {worker.device}, compile={worker.compile}"
@@ -128,8 +135,7 @@ class Log:
         if worker.master:
             kept = (cfg.max_steps // cfg.keep_every - run.step // cfg.keep_every) if cfg.keep_every else 0
             full = sum(s > run.step for s in cfg.keep_full)
-            self.say(disk_plan(run.ckpt_path, run.model, run.optimizers, cfg.ckpt_interval, kept, cfg.keep_every,
-                               full))
+            self.say(disk_plan(run.ckpt_path, run.parts, cfg.ckpt_interval, kept, cfg.keep_every, full))
 
 
 def step_seconds(times, n):
@@ -139,12 +145,19 @@ def step_seconds(times, n):
     return sum(window) / len(window)
 
 
-def disk_plan(path, model, optimizers, ckpt_interval, kept=0, keep_every=0, full=0):
-    """One line: what a run's checkpoints will take on disk (the resume one, path, every ckpt_interval steps, `kept`
-    weights-only ones every keep_every, `full` resumable ones of keep_full), and what the disk has free there."""
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    muon, adam = (sum(p.numel() for g in opt.param_groups for p in g["params"]) for opt in optimizers)
-    resume = weights + 4 * muon + 8 * adam  # + Muon's momentum, AdamW's two moments (fp32)
+def disk_plan(path, parts, ckpt_interval, kept=0, keep_every=0, full=0):
+    """One line: what a run's checkpoints will take on disk (the resume one, path, of every resumable part, every
+    ckpt_interval steps; `kept` weights-only ones every keep_every, `full` resumable ones of keep_full), and what the
+    disk has free there. The optimisers' states are estimated (optim.state_floats: they are empty before the first
+    step); any other part's are its tensors now."""
+    weights = sum(p.numel() * p.element_size() for p in parts["model"].parameters())
+    resume = weights
+    for part in (p for p in parts.values() if p is not parts["model"] and p is not None):
+        if isinstance(part, dict):  # the optimisers, by name
+            resume += sum(4 * state_floats(opt) * p.numel() for opt in part.values() for g in opt.param_groups
+                          for p in g["params"])
+        else:
+            resume += sum(t.numel() * t.element_size() for t in tensors(part.state_dict()))
     out_dir = os.path.dirname(os.path.abspath(path))
     os.makedirs(out_dir, exist_ok=True)
     stat = os.statvfs(out_dir)
@@ -155,3 +168,12 @@ def disk_plan(path, model, optimizers, ckpt_interval, kept=0, keep_every=0, full
             (f"; {full} resumable ckpt_<step>_full{os.path.splitext(path)[1]} (keep_full): {gb(full * resume)} more"
              if full else "") +
             f"; {gb(stat.f_bavail * stat.f_frsize)} free there")
+
+
+def tensors(state):
+    """The tensors of a nested state dict."""
+    for value in state.values():
+        if isinstance(value, dict):
+            yield from tensors(value)
+        elif torch.is_tensor(value):
+            yield value

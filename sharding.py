@@ -28,7 +28,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_model_state_dict, set_optimizer_state_dict)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.distributed.tensor import zeros as distributed_zeros
 
 from files import atomic_write, fsync_dir
@@ -65,6 +65,17 @@ def fully_shard_model(model, worker):
         if unit is not None:
             fully_shard(unit, **shard)
     return fully_shard(model, **shard)
+
+
+def check_optimizers(model, optimizers):
+    """What a sharded checkpoint can hold of a run's optimisers ({name: optimiser}): each a torch.optim.Optimizer over
+    the sharded model's parameters (its state then DTensors, saved by parameter name); a one-line error if not."""
+    params = {id(p) for p in model.parameters()}
+    for name, opt in optimizers.items():
+        if not isinstance(opt, torch.optim.Optimizer) or any(id(p) not in params for g in opt.param_groups
+                                                              for p in g["params"]):
+            raise ValueError(f"fsdp=True: the optimiser {name!r} ({type(opt).__name__}) is not a torch.optim.Optimizer "
+                             f"over the model's parameters, so its state could not be saved sharded (ckpt.dcp)")
 
 
 def reshard(model):
@@ -194,11 +205,16 @@ class Exchange:
 
 # ----------------------------------------------------------------------------- sharded checkpoints (DCP)
 # A sharded checkpoint is a directory, <out_dir>/ckpt.dcp: torch.distributed.checkpoint's (DCP's) files of the
-# model's and the optimisers' tensors, each rank writing its own shards, DCP's .metadata, and state.json: everything
-# else of a resume checkpoint (model_config, config, step, loader, rng, param_groups, pending_log). DCP reshards on
-# load: any number of ranks, or one process without FSDP, reads it. It holds only tensors, which DCP reads without
-# unpickling; its .metadata is a pickle of DCP's own, unpickled by DCP, which is why read_state first reads it
-# with an unpickler that knows only DCP's metadata classes.
+# tensors of every resumable part, each rank writing its own shards, DCP's .metadata, and state.json: everything else
+# of a resume checkpoint (model_config, config, step, pending_log, the parts' names, and each part's values that are
+# not tensors: the loader's position, the optimisers' param_groups by name). The model and the optimisers are saved
+# with torch's distributed state-dict functions (tensors by parameter name); any other part with its own state_dict().
+# What a part must satisfy for that: its state_dict() is a dict (nested dicts, string keys) whose leaves are tensors
+# (a DTensor for what is sharded, as the model's parameters are; any other tensor the same on every rank: one copy is
+# kept) or JSON values (rank 0's are kept); before its load_state_dict, its state_dict() already holds tensors of the
+# saved shapes, which DCP loads into. DCP reshards on load: any number of ranks, or one process without FSDP, reads
+# it. It holds only tensors, which DCP reads without unpickling; its .metadata is a pickle of DCP's own, unpickled by
+# DCP, which is why read_state first reads it with an unpickler that knows only DCP's metadata classes.
 STATE_FILE = "state.json"
 DCP_GLOBALS = {("torch.distributed.checkpoint.metadata", name) for name in (
     "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
@@ -250,48 +266,86 @@ def read_state(path):
 
 def load_whole(path, keys=("model", "model_config")):
     """A sharded checkpoint read whole into one process (no process group), as checkpoint.load_checkpoint returns a
-    ckpt.pt: state.json's entries, the model's tensors, and with "optimizers" in keys the optimisers' states
-    (one dict, keyed by parameter name)."""
+    ckpt.pt: state.json's entries, each part's tensors in place (the optimisers' states by parameter name), the
+    model's always, the others' with their name in keys."""
     state, metadata = read_state(path), _metadata(path)
-    wanted = {"model"} | ({"optimizers"} & set(keys))
+    wanted = {"model"} | set(keys)
     tensors = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in metadata.state_dict_metadata.items()
                if k.split(".", 1)[0] in wanted}
     _dcp_load(tensors, path, alone=True)
-    state["model"] = {k[len("model."):]: v for k, v in tensors.items() if k.startswith("model.")}
-    if "optimizers" in keys:
-        named = {}
-        for k, v in tensors.items():
-            if k.startswith("optimizers."):
-                fqn, name = k[len("optimizers."):].rsplit(".", 1)
-                named.setdefault(fqn, {})[name] = v
-        state["optimizers"] = [{"state": named, "param_groups": state["param_groups"]}]
+    for key, tensor in tensors.items():  # each back where it was in its part's nested state (DCP's planner_data)
+        *route, leaf = metadata.planner_data[key]
+        node = state
+        for step in route:
+            node = node.setdefault(step, {})
+        node[leaf] = tensor
+    if "optimizers" in keys and "parts" not in state:  # written before the optimisers had names in state.json
+        state["optimizers"] = {"all": {"state": state.get("optimizers", {}), "param_groups": state["param_groups"]}}
     missing = [k for k in keys if k not in state]
     if missing:
         raise ValueError(f"{path}: no {', '.join(missing)} in this checkpoint")
     return state
 
 
-def save(path, model, optimizers, state, master):
-    """A sharded run's resume checkpoint as the directory path: the model's and optimisers' tensors, every rank
-    writing its shards, and state (the rest, JSON) in state.json. Written in path.tmp, then swapped in by two renames
-    (path -> path.old, path.tmp -> path) and path.old removed, so that a stop or a full disk mid-write leaves the
-    previous checkpoint whole (resume_path completes a swap cut between the renames). A rank's OSError (a full disk)
-    is raised on every rank."""
+def _state_dict(part, model):
+    """A resumable part's state, as a sharded checkpoint holds it: the model's and each optimiser's by parameter name
+    (torch's distributed state-dict functions; an optimiser with no state yet gets it, from a step at lr 0)."""
+    if part is model:
+        return get_model_state_dict(model)
+    if _is_optimizers(part):
+        return {name: get_optimizer_state_dict(model, opt) for name, opt in part.items()}
+    return part.state_dict()
+
+
+def _is_optimizers(part):
+    """Whether a resumable part is a run's optimisers, {name: torch.optim.Optimizer} (optim.Optimizers)."""
+    return isinstance(part, dict) and all(isinstance(o, torch.optim.Optimizer) for o in part.values())
+
+
+def _split(tree):
+    """(the tensors of a nested dict, the rest of it): what DCP saves, what state.json keeps."""
+    tensors, rest = {}, {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            t, r = _split(value)
+            tensors.update({key: t} if t else {})
+            rest.update({key: r} if r or not t else {})
+        elif torch.is_tensor(value):
+            tensors[key] = value
+        else:
+            rest[key] = value
+    return tensors, rest
+
+
+def _merge(tensors, rest):
+    """A nested dict of _split's two halves, whole again."""
+    return {**rest, **{k: _merge(v, rest.get(k, {})) if isinstance(v, dict) else v for k, v in tensors.items()}}
+
+
+def save(path, parts, header, master):
+    """A sharded run's resume checkpoint as the directory path: the tensors of every part ({name: part}, the model
+    first), every rank writing its shards, and header (plain values) with the rest of each part in state.json.
+    Written in path.tmp, then swapped in by two renames (path -> path.old, path.tmp -> path) and path.old removed, so
+    that a stop or a full disk mid-write leaves the previous checkpoint whole (resume_path completes a swap cut
+    between the renames). A rank's OSError (a full disk) is raised on every rank."""
     tmp, old = path + ".tmp", path + ".old"
     if master and os.path.exists(tmp):
         shutil.rmtree(tmp)  # a write that was cut short
     dist.barrier()
+    model = parts["model"]
     reshard(model)
-    optimizer_state = get_optimizer_state_dict(model, optimizers)
+    tensors, state = {}, {**header, "parts": list(parts)}
+    for name, part in parts.items():
+        tensors[name], state[name] = _split(_state_dict(part, model))
     try:
-        dcp.save({"model": get_model_state_dict(model), "optimizers": optimizer_state["state"]}, checkpoint_id=tmp)
+        dcp.save(tensors, checkpoint_id=tmp)
     except CheckpointException as e:  # DCP gathers every rank's failure onto every rank
         if master:
             shutil.rmtree(tmp, ignore_errors=True)  # nothing half-written is left
         raise next((exc for exc, _ in e.failures.values() if isinstance(exc, OSError)), e) from None
     if master:
         with atomic_write(os.path.join(tmp, STATE_FILE), "w") as f:
-            json.dump({**state, "param_groups": optimizer_state["param_groups"]}, f)
+            json.dump(state, f)
         if os.path.exists(path):
             os.rename(path, old)
         os.rename(tmp, path)
@@ -317,37 +371,72 @@ def resume_path(whole, directory, sharded):
     return found[0] if found else (directory if sharded else whole)
 
 
-def restore(ckpt, model, optimizers=None):
-    """The weights, and with optimizers their states, of ckpt put into model when either is sharded: a sharded
-    checkpoint (read_state's) into any model, sharded or whole (DCP reshards it), or a whole one into a sharded
-    model (torch's distributed state-dict functions)."""
+def restore(ckpt, parts):
+    """Every part ({name: part}, the model first) from ckpt when either is sharded: a sharded checkpoint (read_state's)
+    into any model, sharded or whole (DCP reshards it into what each part holds now), or a whole one into a sharded
+    model (torch's distributed state-dict functions; a part's DTensors get their shards)."""
+    model = parts["model"]
     reshard(model)
-    if "sharded" in ckpt:
-        state = get_model_state_dict(model)
-        _dcp_load({"model": state}, ckpt["sharded"])
-        set_model_state_dict(model, state)
-        if optimizers:
-            state = get_optimizer_state_dict(model, optimizers)  # the states to load into (a step at lr 0 makes them)
-            _dcp_load({"optimizers": state["state"]}, ckpt["sharded"])
-            set_optimizer_state_dict(model, optimizers, {"state": state["state"], "param_groups": ckpt["param_groups"]})
+    optimizers = [name for name, part in parts.items() if _is_optimizers(part)]
+    if "sharded" not in ckpt:
+        whole = StateDictOptions(full_state_dict=True)
+        set_model_state_dict(model, ckpt["model"], options=whole)
+        for name in optimizers:
+            for o, state in parts[name].named(ckpt[name]).items():
+                opt = parts[name][o]
+                set_optimizer_state_dict(model, opt, named_optimizer_state(model, opt, state), options=whole)
+        for name, part in parts.items():
+            if part is not model and name not in optimizers:
+                part.load_state_dict(_shard_like(ckpt[name], part.state_dict()))
         return
-    whole = StateDictOptions(full_state_dict=True)
-    set_model_state_dict(model, ckpt["model"], options=whole)
-    if optimizers:
-        set_optimizer_state_dict(model, optimizers, named_optimizer_state(model, optimizers, ckpt["optimizers"]),
-                                 options=whole)
+    current = {name: _state_dict(part, model) for name, part in parts.items()}
+    if "parts" in ckpt:
+        tensors = {name: _split(state)[0] for name, state in current.items()}
+        _dcp_load(tensors, ckpt["sharded"])
+        saved = {name: _merge(tensors[name], ckpt.get(name, {})) for name in parts}
+    else:
+        saved = _earlier(ckpt, current, optimizers)
+    for name, part in parts.items():
+        if part is model:
+            set_model_state_dict(model, saved[name])
+        elif name in optimizers:
+            for o, opt in part.items():
+                set_optimizer_state_dict(model, opt, saved[name][o])
+        else:
+            part.load_state_dict(saved[name])
 
 
-def named_optimizer_state(model, optimizers, states):
-    """ckpt.pt's optimiser states (torch's format: each parameter by its index in its optimiser) as one dict keyed
-    by parameter name, the format of torch.distributed.checkpoint.state_dict."""
-    names = {id(p): n.replace("_orig_mod.", "") for n, p in model.named_parameters()}  # compiled blocks' prefix
-    named = {"state": {}, "param_groups": []}
-    for opt, saved in zip(optimizers, states):
-        fqns = [names[id(p)] for group in opt.param_groups for p in group["params"]]
-        named["state"].update({fqns[i]: state for i, state in saved["state"].items()})
-        named["param_groups"] += [{**g, "params": [fqns[i] for i in g["params"]]} for g in saved["param_groups"]]
-    return named
+def _earlier(ckpt, current, optimizers):
+    """restore's saved states of a sharded checkpoint written before state.json named the parts: it holds the model,
+    the optimisers (their tensors under their parameters' names, their param_groups in one list), loader and rng."""
+    flat = {fqn: t for name in optimizers for o in current[name].values() for fqn, t in _split(o["state"])[0].items()}
+    tensors = {"model": current["model"], "optimizers": flat}
+    _dcp_load(tensors, ckpt["sharded"])
+    saved = {"model": tensors["model"], "loader": ckpt["loader"], "rng": ckpt["rng"]}
+    for name in optimizers:
+        saved[name] = {o: {"state": {fqn: flat[fqn] for fqn in s["state"]},
+                           "param_groups": [g for g in ckpt["param_groups"] if set(g["params"]) <= set(s["state"])]}
+                       for o, s in current[name].items()}
+    return saved
+
+
+def _shard_like(whole, current):
+    """A part's state from a whole checkpoint, each tensor sharded as the part's own tensor in its place is (a
+    DTensor under FSDP), to load into a sharded run."""
+    if isinstance(whole, dict):
+        return {k: _shard_like(v, current.get(k) if isinstance(current, dict) else None) for k, v in whole.items()}
+    if isinstance(current, DTensor):
+        return distribute_tensor(whole.to(current.device_mesh.device_type), current.device_mesh, current.placements)
+    return whole
+
+
+def named_optimizer_state(model, optimizer, state):
+    """An optimiser's state in torch's format (each parameter by its index in the optimiser), as ckpt.pt holds it,
+    keyed by parameter name instead: the format of torch.distributed.checkpoint.state_dict."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    fqns = [names[id(p)].replace("_orig_mod.", "") for group in optimizer.param_groups for p in group["params"]]
+    return {"state": {fqns[i]: s for i, s in state["state"].items()},
+            "param_groups": [{**g, "params": [fqns[i] for i in g["params"]]} for g in state["param_groups"]]}
 
 
 def save_weights(path, model, header, master):

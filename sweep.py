@@ -30,7 +30,7 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -41,10 +41,13 @@ from files import atomic_write
 from model import GPTConfig
 from parallel import PREEMPTED
 from runlog import log_path, read_log, val_curve
-from train import ALL_DEFAULTS, MODEL_KEYS, split_config
+from train import ALL_DEFAULTS, BRANCH_FREE, MODEL_KEYS, schedule_differs, split_config
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 POLL = 0.2  # seconds between looks at the running processes
+# A shorter budget branches from its full run only where that saves at least this share of its steps (ours: below it,
+# the wait for the full run's branch point costs more than it saves); the recipe's schedule saves 1 - cooldown_frac
+MIN_BRANCH_SHARE = 0.5
 SBATCH = os.path.join(ROOT, "train.sbatch")  # the job of every run under --slurm
 JOB_FILE = "slurm_job"  # in a run's directory: the id of the last job submitted for it
 
@@ -147,19 +150,21 @@ def plan(configs, seeds, budgets, overrides, out_dir, branch=True):
 
 
 def shorter_budget(files, overrides, cfg, budget, branch):
-    """(max_steps, branch point or None) of a budget below 1 of the full run's cfg; a branch point is where the
-    shorter run's cooldown begins, and a branch that would not be exact is refused in one line."""
+    """(max_steps, branch point or None) of a budget below 1 of the full run's cfg. Its branch point is the latest
+    exact one (train.schedule_differs: up to it, both schedules agree at every step); where that saves less than
+    MIN_BRANCH_SHARE of the shorter run, it is refused in one line."""
     steps = round(budget * cfg.max_steps)
     if steps < 1:
         raise ValueError(f"--budgets: {budget:g} of max_steps={cfg.max_steps} is no step at all")
     short = check_run(files + overrides + [f"--max_steps={steps}"])
     if not branch:
         return steps, None
-    point = math.floor((1 - short.cooldown_frac) * steps)
-    error = short.branch_error(asdict(cfg), point) if 0 < point < cfg.max_steps else f"no step to branch at ({point})"
-    if error:
-        raise ValueError(f"--budgets: {budget:g} ({steps} steps): its cooldown cannot branch from step {point} of the "
-                         f"full run: {error}; --budgets_from_scratch runs it on its own")
+    differs = schedule_differs(cfg, short, steps)
+    point = steps - 1 if differs is None else differs  # a step the shorter run still takes after: its own log
+    if point < MIN_BRANCH_SHARE * steps:
+        raise ValueError(f"--budgets: {budget:g} ({steps} steps): its schedule and the full run's differ from step "
+                         f"{point}, so a branch would save {point} of its {steps} steps, less than "
+                         f"{MIN_BRANCH_SHARE:.0%}; --budgets_from_scratch runs it on its own")
     return steps, point
 
 
@@ -228,7 +233,8 @@ def stranded(todo, busy):
 
 def sweep(runs, parallel):
     """Run every unfinished run, `parallel` at a time (a branch as soon as its branch point exists), a line per start
-    and end. SIGINT/SIGTERM stop the running ones at their next step, with a checkpoint. Returns the failed runs."""
+    and end. SIGINT/SIGTERM stop the running ones at their next step, with a checkpoint. Returns (the failed runs,
+    whether a signal stopped the sweep)."""
     envs = slots(parallel)
     todo = [r for r in runs if not r.finished()]
     for r in runs:
@@ -271,9 +277,7 @@ def sweep(runs, parallel):
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
-    if stopping:
-        sys.exit(PREEMPTED)
-    return failed
+    return failed, bool(stopping)
 
 
 # ----------------------------------------------------------------------------- Slurm
@@ -361,9 +365,9 @@ def print_jobs(runs, options):
 
 # ----------------------------------------------------------------------------- the report
 
-# Keys that cannot change what a run computes: runs differing only in them are replicates of one variant
-RUN_KEYS = {"seed", "out_dir", "init_from", "eval_only", "log_interval", "eval_interval", "ckpt_interval",
-            "keep_every", "keep_full", "wandb_log", "wandb_project", "wandb_run_name", "dist_timeout", "gpu_peak_flops"}
+# Keys that cannot change what a run computes or logs (train.py's BRANCH_FREE), and the seed: runs differing only in
+# them are replicates of one variant
+RUN_KEYS = BRANCH_FREE | {"seed"}
 # Student's t 0.975 quantiles for 1..30 degrees of freedom (any table); beyond, 1.96 + 2.4/df is within 0.001
 T975 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
         2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042]
@@ -709,7 +713,9 @@ def main(argv=None):
                       f"nor queued, and reports once every run has finished")
                 return runs
         else:
-            failed = sweep(runs, args.parallel)
+            failed, stopped = sweep(runs, args.parallel)
+            if stopped:
+                sys.exit(PREEMPTED)
             if failed:
                 sys.exit(f"sweep.py: error: {len(failed)} run(s) failed: {', '.join(r.name for r in failed)}")
         return write_report([r.dir for r in runs], args.reference, args.out or os.path.join(args.out_dir, "report.json"))

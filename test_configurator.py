@@ -73,10 +73,14 @@ DEFAULTS = dict(
 
 class Config:
     \"\"\"n_layer = 3  # in a docstring: not a field\"\"\"
-    n_layer: int = 3  # transformer blocks
+    n_layer: int = 3  # transformer blocks, a meaning that goes on
+                      # in the column of its own comment
+    # a section comment, in another column: not a meaning
+    n_head: int = 2  # heads
 """)
     assert key_comments(path, "DEFAULTS") == {"lr": "peak learning rate", "out_dir": "where '#' in a value is no comment"}
-    assert key_comments(path, "Config") == {"n_layer": "transformer blocks"}
+    assert key_comments(path, "Config") == {"n_layer": "transformer blocks, a meaning that goes on in the column of "
+                                                       "its own comment", "n_head": "heads"}
     text = help_text("usage: tool.py", [("keys", dict(lr=0.01, out_dir="out#1", seed=42), key_comments(path, "DEFAULTS"))])
     assert text.splitlines() == ["usage: tool.py", "", "keys:", "  lr = 0.01          peak learning rate",
                                  "  out_dir = 'out#1'  where '#' in a value is no comment", "  seed = 42"]

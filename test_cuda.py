@@ -79,14 +79,14 @@ def test_compiled_step_with_a_new_block_mask_each_batch_compiles_once(fresh_dyna
     AdamW): 20 batches of different document layouts run the one graph compiled for the first."""
     torch.manual_seed(0)
     model = GPT(variant("dyn_exo", vocab_size=50304, block_size=256)).to(DEVICE)
-    optimizers = optim.build_optimizers(model, train.TrainConfig())
+    optimizers = train.build_optimizers(model, train.TrainConfig())
     compiled = torch.compile(model)
     for x, y in windows(model.config, 20):
         with torch.autocast("cuda", dtype=torch.bfloat16):
             _, loss = compiled(x, y, z_loss=1e-5, doc_mask=True)
         loss.backward()
         assert math.isfinite(optim.clip_gradients(model, 1.0)) and math.isfinite(loss.item())
-        for opt in optimizers:
+        for opt in optimizers.values():
             opt.step()
             opt.zero_grad(set_to_none=True)
     assert compiled_graphs() == 1
@@ -97,7 +97,7 @@ def test_mask_build_step_and_optimisers_never_wait_for_the_gpu(fresh_dynamo):
     leaves the GPU idle while they launch) in the eager mask build, the compiled forward and backward, and both
     optimisers' steps: torch.cuda.set_sync_debug_mode("error") raises at any. Compiled first, outside it."""
     model = GPT(variant("dyn_exo", vocab_size=50304, block_size=256)).to(DEVICE)
-    optimizers = optim.build_optimizers(model, train.TrainConfig())
+    optimizers = train.build_optimizers(model, train.TrainConfig())
     compiled = torch.compile(model)
     for i, (x, y) in enumerate(windows(model.config, 3)):
         torch.cuda.synchronize()
@@ -107,7 +107,7 @@ def test_mask_build_step_and_optimisers_never_wait_for_the_gpu(fresh_dynamo):
             with torch.autocast("cuda", dtype=torch.bfloat16):
                 _, loss = compiled(x, y, z_loss=1e-5, doc_mask=True)
             loss.backward()
-            for opt in optimizers:
+            for opt in optimizers.values():
                 opt.step()
                 opt.zero_grad(set_to_none=True)
         finally:
@@ -194,7 +194,7 @@ def test_peak_memory_of_a_step_against_bench_memory_estimate():
     torch.manual_seed(0)
     model = GPT(row.config).to(DEVICE)
     timed = bench.Row("dyn_exo", row.cfg, row.config, row.bench, model=model, forward=model,
-                      optimizers=optim.build_optimizers(model, row.cfg))
+                      optimizers=train.build_optimizers(model, row.cfg))
     bench.step(timed, x, y, env)  # the optimiser states exist from here on
     torch.cuda.reset_peak_memory_stats()
     bench.step(timed, x, y, env)

@@ -14,6 +14,7 @@ import shutil
 import sys
 import warnings
 import weakref
+from dataclasses import asdict
 
 import pytest
 import torch
@@ -28,6 +29,7 @@ import parallel
 import sharding
 import train
 from checkpoint import load_checkpoint, load_model, load_resumable
+from configurator import read_args
 from model import GPT, GPTConfig
 from test_faults import TORCHRUN, finish, run, start, wait_for_step, workers
 from test_model import randomize, tokens, variant
@@ -45,14 +47,14 @@ STOP = """import os, sys
 sys.path.insert(0, {root!r})
 import train
 stop_at, resave, save, restore = int(sys.argv[1]), sys.argv[2] == "resave", train.save, train.restore
-def save_then_stop(run, path, pending_log=None):
-    save(run, path, pending_log)
+def save_then_stop(run, *args, **kwargs):
+    save(run, *args, **kwargs)
     if run.step == stop_at:
         os._exit(0)
-def restore_then_save(run, ckpt, path):
-    restore(run, ckpt, path)
+def restore_then_save(run, *args):
+    restore(run, *args)
     if resave:
-        save_then_stop(run, run.ckpt_path)
+        save_then_stop(run, run.ckpt_path, run.pending_log)
 train.save, train.restore = save_then_stop, restore_then_save
 train.main(sys.argv[3:])
 """
@@ -93,13 +95,15 @@ def fsdp_run(data_dir, tmp_path_factory):
 
 
 def named_states(ckpt):
-    """A checkpoint's optimiser states by parameter name: a sharded one's as they are, ckpt.pt's (by index) named."""
+    """A checkpoint's optimiser states by parameter name, whatever the optimiser: a sharded one's as they are,
+    ckpt.pt's (by index in each optimiser) named."""
     if "sharded" in ckpt:
-        return ckpt["optimizers"][0]["state"]
+        return {fqn: s for o in ckpt["optimizers"].values() for fqn, s in o["state"].items()}
     with torch.device("meta"):
         net = GPT(GPTConfig(**ckpt["model_config"]))
-    optimizers = optim.build_optimizers(net, TrainConfig())
-    return sharding.named_optimizer_state(net, optimizers, ckpt["optimizers"])["state"]
+    optimizers = train.build_optimizers(net, TrainConfig())
+    return {fqn: s for name, state in optimizers.named(ckpt["optimizers"]).items()
+            for fqn, s in sharding.named_optimizer_state(net, optimizers[name], state)["state"].items()}
 
 
 def assert_same_state(a, b):
@@ -218,8 +222,7 @@ def test_a_full_disk_during_a_sharded_checkpoint_keeps_the_previous_one(data_dir
     straight, out = str(tmp_path / "straight"), str(tmp_path / "full")
     one_rank_group()
     train.main(common + [f"--out_dir={straight}"])
-    armed, write_item = [], torch.distributed.checkpoint.filesystem._write_item
-    save_resumable = train.save_resumable
+    armed, write_item, save = [], torch.distributed.checkpoint.filesystem._write_item, train.save
 
     def no_space(transforms, stream, *a, **kw):  # DCP's writer of one tensor into its file
         if armed:
@@ -229,8 +232,8 @@ def test_a_full_disk_during_a_sharded_checkpoint_keeps_the_previous_one(data_dir
 
     with monkeypatch.context() as m:
         m.setattr(torch.distributed.checkpoint.filesystem, "_write_item", no_space)
-        m.setattr(train, "save_resumable", lambda path, model, optimizers, loader, config, step, *a: (
-            armed.append(1) if step == 4 else None, save_resumable(path, model, optimizers, loader, config, step, *a)))
+        m.setattr(train, "save", lambda run, *a, **kw: (armed.append(1) if run.step == 4 else None,
+                                                        save(run, *a, **kw)))
         one_rank_group()
         with pytest.raises(SystemExit) as e:
             train.main(common + [f"--out_dir={out}"])
@@ -245,6 +248,25 @@ def test_a_full_disk_during_a_sharded_checkpoint_keeps_the_previous_one(data_dir
     assert_same_state(final(straight), final(out))
     one_rank_group()
     assert train.main(common + [f"--out_dir={out}"]) is None  # finished: says so, does nothing
+
+
+def test_an_optimizer_a_sharded_checkpoint_cannot_hold_is_refused_before_any_step(data_dir, tmp_path, monkeypatch,
+                                                                                 one_rank_group):
+    """Under FSDP each optimiser's state goes to ckpt.dcp by parameter name, which needs a torch.optim.Optimizer over
+    the model's parameters: a fork's other kind is refused in one line before the first step."""
+    build = train.build_optimizers
+
+    class Lookahead:  # a wrapper of an optimiser, not a torch.optim.Optimizer
+        param_groups = []
+
+    monkeypatch.setattr(train, "build_optimizers", lambda model, cfg: optim.Optimizers(**build(model, cfg),
+                                                                                    slow=Lookahead()))
+    one_rank_group()
+    out = tmp_path / "run"
+    with pytest.raises(SystemExit, match=r"^train.py: error: fsdp=True: the optimiser 'slow' \(Lookahead\) is not a "
+                                         r"torch.optim.Optimizer over the model's parameters"):
+        train.main(SMALL + [f"--data_dir={data_dir}", f"--out_dir={out}", "--max_steps=2", "--fsdp=True"])
+    assert not out.exists()
 
 
 def test_keep_full_keeps_a_sharded_branch_point_that_branches_bit_for_bit(data_dir, tmp_path, one_rank_group):
@@ -263,7 +285,45 @@ def test_keep_full_keeps_a_sharded_branch_point_that_branches_bit_for_bit(data_d
     assert_same_state(final(tmp_path / "short"), final(tmp_path / "branch"))
 
 
-RESUMABLE = {"model_config": {}, "loader": {}, "rng": {}}  # what a resume checkpoint must hold, as placeholders
+FIXTURES = os.path.join(ROOT, "fixtures", "checkpoints_5bd687a")
+
+
+def resaved(args, path):
+    """The checkpoint a train.py run of args starts from, as it reads it (configure, build, restore: one process,
+    no FSDP), written back by it to path."""
+    given = read_args(args, train.ALL_DEFAULTS)
+    cfg = TrainConfig(**{k: v for k, v in given.items() if k in train.DEFAULTS})
+    worker = parallel.join(cfg)
+    cfg, model_config, ckpt, start = train.configure(given, cfg, worker)
+    run = train.build(cfg, model_config, worker)
+    train.restore(run, ckpt, start)
+    train.save(run, path, run.pending_log)
+
+
+@pytest.mark.parametrize("kind", ["one_process", "fsdp_2_ranks"])
+def test_a_checkpoint_of_commit_5bd687a_resumes_exactly(kind, data_dir, tmp_path):
+    """Checkpoints written by commit 5bd687a (fixtures/checkpoints_5bd687a: its optimisers' states a list, its
+    ckpt.dcp's param_groups one list, of a run stopped after step 3, an evaluation step), read into one process
+    and written back, hold the same step, weights, optimiser states, data position, RNG and pending log entry, bit
+    for bit. Continued, the run logs the evaluation the stop left, then ends as that commit's unbroken run did: bit
+    for bit on the machine that wrote them; compared to float rounding here, where the CPU's kernels may differ."""
+    expected = json.load(open(f"{FIXTURES}/expected.json"))
+    out = str(tmp_path / "run")
+    shutil.copytree(f"{FIXTURES}/{kind}", out)
+    args = expected["args"] + [f"--data_dir={data_dir}", f"--out_dir={out}", "--init_from=auto"]
+    resaved(args, f"{tmp_path}/resaved.pt")
+    before, after = final(out), load_checkpoint(f"{tmp_path}/resaved.pt", ("model", "optimizers", "loader", "rng"))
+    assert_same_state(before, after)
+    assert before["pending_log"] == after["pending_log"] and before["pending_log"]["step"] == 3
+    train.main(args)
+    strip = lambda log: [{k: v for k, v in e.items() if k not in ("step_ms", "tok_per_s")} for e in log]
+    resumed, unbroken = strip(read_log(out)), expected[kind]
+    assert [e.keys() for e in resumed] == [e.keys() for e in unbroken]
+    for a, b in zip(resumed, unbroken):
+        assert a == pytest.approx(b, rel=1e-4), (a, b)
+
+
+RESUMABLE = {"model_config": {}, "config": {}, "parts": []}  # what a resume checkpoint must hold, as placeholders
 
 
 def tiny_sharded_checkpoint(path, step):
@@ -333,7 +393,7 @@ def _sharded_step_worker(rank, world, port, names, result_path, device="cpu"):
         named = dict(sharded.named_parameters())
         diffs = {"loss": (losses[0] - losses[1]).abs().item(), "grads": max(
             (p.grad - named[n].grad.full_tensor()).abs().max().item() for n, p in plain.named_parameters())}
-        muons = [optim.build_optimizers(m, TrainConfig())[0] for m in (plain, sharded)]
+        muons = [train.build_optimizers(m, TrainConfig())["muon"] for m in (plain, sharded)]
         gen = torch.Generator().manual_seed(1)
         for _ in range(2):
             for n, p in plain.named_parameters():
@@ -391,8 +451,9 @@ def _export_worker(rank, world, port, out, dtype):
     checkpoint.save_weights(f"{out}/export.pt", model, {"seed": 0}, 7, "test", rank == 0)
     DTensor.full_tensor = gather
     loader = type("Loader", (), {"state_dict": lambda self: {"shard": 0}})()
-    checkpoint.save_resumable(f"{out}/ckpt.dcp", model, optim.build_optimizers(model, TrainConfig()), loader,
-                              {"seed": 0}, 7, None, rank == 0)
+    parts = {"model": model, "optimizers": train.build_optimizers(model, TrainConfig()), "loader": loader}
+    checkpoint.save_resumable(f"{out}/ckpt.dcp", parts, {"model_config": asdict(model.config), "config": {"seed": 0},
+                                                        "step": 7}, worker)
     if rank == 0:
         torch.save({"logits": logits, "alive": alive, "dtypes": {p.dtype for p in model.parameters()}}, f"{out}/r")
     dist.destroy_process_group()
@@ -469,7 +530,7 @@ def test_bench_memory_with_ranks_gives_each_gpus_share():
     bench.main(["configs/dyn_exo.py", *size, "--memory=True", "--ranks=1,4"])
     with torch.device("meta"):
         net = GPT(variant("dyn_exo", n_layer=2, n_embd=64, n_head=2, vocab_size=256))
-    one, four = bench.sharded_bytes(net, 1), bench.sharded_bytes(net, 4)
+    one, four = bench.sharded_bytes(net, 1, TrainConfig()), bench.sharded_bytes(net, 4, TrainConfig())
     assert one[0] == 4 * net.num_params() and one[0] == one[1]
     assert one[0] / 4 <= four[0] < one[0] / 4 * 1.1 and four[2] < one[2] / 3 and four[3] < one[3] / 3
     assert four[4] < one[4]  # Muon's owned share shrinks; the gathered units do not

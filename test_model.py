@@ -688,15 +688,32 @@ def test_readme_variant_table_is_true():
     assert set(rows) <= set(PAPER_VARIANTS + CONTROLS), f"README.md: rows for unknown files {set(rows) - set(PAPER_VARIANTS)}"
 
 
-def test_readme_paper_to_code_table_points_at_its_lines():
-    """Each row of README.md's paper-to-code table names a line of a file that carries its marker (Eq. 9, ...)."""
-    rows = re.findall(r"^\| ([^|]+?) \| [^|]+ \| `(\w+\.py):(\d+)` \|$", open(os.path.join(ROOT, "README.md")).read(),
-                      flags=re.M)
-    assert len(rows) >= 12, rows
-    for marker, name, n in rows:
-        lines = open(os.path.join(ROOT, name)).read().splitlines()
-        assert marker in lines[int(n) - 1], \
-            f"README.md: the row {marker!r} points at {name}:{n}, which reads {lines[int(n) - 1].strip()!r}"
+def symbol_source(path, symbol):
+    """The source lines of a top-level name of a Python file, or of one inside it (`Class.method`), found by name
+    (no line number): its definition or assignment, decorators and trailing comments included; None if none."""
+    lines = open(path, encoding="utf-8").read().splitlines()
+    nodes = ast.parse("\n".join(lines)).body
+    for name in symbol.split("."):
+        found = [n for n in nodes if getattr(n, "name", None) == name or
+                 any(getattr(t, "id", None) == name for t in getattr(n, "targets", ()))]
+        if not found:
+            return None
+        node, nodes = found[0], getattr(found[0], "body", [])
+    start = min([d.lineno for d in getattr(node, "decorator_list", [])] + [node.lineno])
+    return "\n".join(lines[start - 1:node.end_lineno])
+
+
+def test_readme_paper_to_code_table_names_symbols_that_carry_their_markers():
+    """Each row of README.md's paper-to-code table names a function, class or constant (`file.py:Name` or
+    `file.py:Class.method`) that exists and whose source carries the row's marker (Eq. 9, §4.5, step 2. ...): the
+    table holds wherever the lines move."""
+    rows = re.findall(r"^\| ([^|]+?) \| [^|]+ \| `(\w+\.py):([\w.]+)`(?: \(line \d+\))? \|$",
+                      open(os.path.join(ROOT, "README.md")).read(), flags=re.M)
+    assert len(rows) >= 20, rows
+    for marker, name, symbol in rows:
+        source = symbol_source(os.path.join(ROOT, name), symbol)
+        assert source is not None, f"README.md: the row {marker!r} names {name}:{symbol}, which {name} lacks"
+        assert marker in source, f"README.md: the row {marker!r} names {name}:{symbol}, whose source lacks {marker!r}"
 
 
 def test_each_file_imports_only_from_the_rows_above_it():
@@ -715,6 +732,24 @@ def test_each_file_imports_only_from_the_rows_above_it():
                      if isinstance(node, ast.ImportFrom) and node.module and not node.level}
         for other in imported & modules:
             assert rows[other] < rows[name], f"{name}.py imports {other}.py, which is not in a row above its own"
+
+
+def test_only_entry_points_exit():
+    """SystemExit (raise SystemExit, sys.exit) comes only from a tool's main or its __main__ block: a library module,
+    or a function a fork calls from a notebook or a sweep (train.py's included), raises an exception instead."""
+    found = []
+    for name in sorted(f for f in os.listdir(ROOT) if f.endswith(".py") and not f.startswith(("test_", "conftest"))):
+        def walk(node, inside):
+            for n in ast.iter_child_nodes(node):
+                here = inside or (isinstance(n, ast.FunctionDef) and n.name == "main") or (
+                    isinstance(n, ast.If) and "__main__" in ast.unparse(n.test))
+                exits = isinstance(n, ast.Raise) and n.exc is not None and "SystemExit" in ast.unparse(n.exc) or \
+                    isinstance(n, ast.Call) and ast.unparse(n.func) in ("sys.exit", "exit")
+                if exits and not here:
+                    found.append(f"{name}:{n.lineno}")
+                walk(n, here)
+        walk(ast.parse(open(os.path.join(ROOT, name)).read()), False)
+    assert not found, f"SystemExit outside an entry point: {found}"
 
 
 def test_every_relative_link_of_the_docs_resolves():

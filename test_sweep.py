@@ -262,8 +262,8 @@ def test_print_gives_runnable_commands_and_bad_input_is_refused_before_any_run(d
     lines = r.stdout.splitlines()  # 2 variants x 2 seeds: the full runs, then each branch after what it waits for
     assert r.returncode == 0 and len(lines) == 4 + 2 * 4 and not out.exists(), r.stderr
     full, branch = lines[0], lines[5]
-    assert full.endswith(f"--keep_full=4 --seed=0 --out_dir={out}/gated_s0 --init_from=auto")
-    point = f"{out}/gated_s0/ckpt_000004_full.pt"  # where the 6-step budget's cooldown begins: 0.8 x 6
+    assert full.endswith(f"--keep_full=5 --seed=0 --out_dir={out}/gated_s0 --init_from=auto")
+    point = f"{out}/gated_s0/ckpt_000005_full.pt"  # the 6-step budget's schedule and the full run's part at step 5
     assert lines[4] == f"# waits for {point}" and "--max_steps=6" in branch and "--max_steps=12" not in branch
     assert branch.endswith(f"--seed=0 --out_dir={out}/gated_b0.5_s0 --init_from={point}")
     for command in (full, branch):
@@ -277,9 +277,9 @@ def test_print_gives_runnable_commands_and_bad_input_is_refused_before_any_run(d
     for extra, message in [(["--n_layers=3"], "unknown key 'n_layers' (did you mean n_layer?)"),
                            (["--seed=3"], "--seed=3: the sweep sets it for every run (use --seeds)"),
                            (["--budgets=0.5"], "1 among them"),
-                           (["--muon_momentum_steps=5", "--budgets=0.95,1"], "--budgets: 0.95 (11 steps): its "
-                            "cooldown cannot branch from step 8 of the full run: step 8 lies inside the Muon momentum "
-                            "ramp-down of a run of max_steps=11"),
+                           (["--cooldown_frac=0.9", "--budgets=0.5,1"], "--budgets: 0.5 (6 steps): its schedule and "
+                            "the full run's differ from step 2, so a branch would save 2 of its 6 steps, less than 50%; "
+                            "--budgets_from_scratch runs it on its own"),
                            (["configs/nope.py"], "configs/nope.py: no config file configs/nope.py"),
                            (["--data_dir=/nonexistent"], "/nonexistent: data directory not found")]:
         r = subprocess.run(sweep_cmd(data_dir, tmp_path / "bad", *extra), cwd=ROOT, capture_output=True, text=True,
@@ -307,7 +307,7 @@ def test_print_with_slurm_gives_the_sbatch_commands_a_branch_after_its_full_runs
         after = f"--dependency=afterok:$job{n - 1} --kill-on-invalid-dep=yes " if "_b" in name else ""
         assert line.startswith(sbatch + after + f"{ROOT}/train.sbatch configs/"), line
         assert line.endswith(f" --seed=0 --out_dir={out}/{name} --init_from="
-                             + (f"{out}/{names[n - 2]}/ckpt_000004_full.pt)" if after else "auto)")), line
+                             + (f"{out}/{names[n - 2]}/ckpt_000005_full.pt)" if after else "auto)")), line
     for extra, message in [(["--sbatch=--time=10"], "--sbatch: expected with --slurm"),
                            (["--slurm", "--sbatch=--comment='a"], "No closing quotation")]:
         with pytest.raises(SystemExit):

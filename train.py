@@ -21,16 +21,17 @@ parallel.py joins the processes (DDP) and stops them together; runlog.py writes 
 Config files are plain Python assignments (`n_layer = 4`) applied in the order given, a later one
 overriding an earlier one (a variant file, then configs/tiny.py to shrink it), then the --key=value
 overrides; every key must be one of the keys below. With --init_from=resume or --eval_only the model is
-the checkpoint's: model keys may be left out, and any that is given must agree with the checkpoint.
+the checkpoint's: model keys may be left out, and any that is given must agree with the checkpoint. So do the
+other keys, but those that change only how, when or where a run goes (EXECUTION), such as max_steps.
 SIGTERM, SIGINT or SIGUSR1 stop a run after its current step, with a checkpoint, and exit with status 75.
 """
-import errno
+import importlib.util
 import math
 import random
 import signal
 import sys
 import time
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, fields
 
 import numpy as np
 import torch
@@ -39,13 +40,12 @@ import torch.nn as nn
 import checkpoint
 import parallel
 import sharding
-from checkpoint import (branch_path, checkpoint_path, kept_path, load_resumable, save_resumable, save_weights,
-                        trained_doc_mask)
+from checkpoint import RNG, branch_path, checkpoint_path, is_branch, kept_path, load_resumable, save_weights
 from configurator import help_text, key_comments, read_args, wants_help
 from data import DataLoader, ensure_corpus, val_batches
 from model import GPT, GPTConfig
-from optim import build_optimizers, clip_gradients
-from parallel import PREEMPTED, STOP_SIGNALS, StopSignals, Worker, tell
+from optim import Muon, Optimizers, clip_gradients, muon_params
+from parallel import PREEMPTED, STOP_SIGNALS, RunFailed, StopSignals, Worker
 from runlog import Log
 
 
@@ -55,9 +55,11 @@ class TrainConfig:
     """train.py's keys, one per line, its meaning in the comment (`python train.py --help` prints them). The model
     keys are GPTConfig's fields (set them with a configs/ file); their meanings are model.py's."""
     # I/O
-    data_dir: str = "data/finewebedu10B"  # shards from prepare.py (*_train_*.bin, *_val_*.bin); one named stdlib is built from this Python's library when missing
+    data_dir: str = "data/finewebedu10B"  # shards from prepare.py (*_train_*.bin, *_val_*.bin); one named stdlib
+                                          # is built from this Python's library when missing
     out_dir: str = "out"  # ckpt.pt and log.jsonl
-    init_from: str = "scratch"  # 'scratch', 'resume' (continue from <out_dir>/ckpt.pt), 'auto' (resume if it exists), or a ckpt_<step>_full.pt to branch from
+    init_from: str = "scratch"  # 'scratch', 'resume' (continue from <out_dir>/ckpt.pt), 'auto' (resume if it
+                                # exists), or a ckpt_<step>_full.pt to branch from
     eval_only: bool = False  # evaluate <out_dir>/ckpt.pt on the whole validation shard and exit
     log_interval: int = 10  # steps between log lines
     eval_interval: int = 500  # steps between validation losses
@@ -69,8 +71,8 @@ class TrainConfig:
     wandb_project: str = "exoformer"  # W&B project
     wandb_run_name: str = "run"  # W&B run name
     # batch: 262,144 tokens per step = 8 GPUs x 2 micro-steps x 8 sequences x 2048 tokens (the paper: 16 x 1).
-    # 16 sequences of any paper variant keep 64-69 GiB of activations for backward (114 GiB at 1B; bench.py
-    # --memory=True): 8 keep at most 35 (57), which fits 80 GB GPUs; gradient accumulation keeps the step.
+    # 16 sequences of a 450M variant keep 64-69 GiB of activations for backward: 8 fit an 80 GB GPU (docs/MEMORY.md,
+    # bench.py --memory=True); at 1B 7 fit, and the 1B commands set batch_size=4. Accumulation keeps the step.
     batch_size: int = 8  # sequences per process per micro-step (their length: the model's block_size)
     total_batch_size: int = 262_144  # tokens per optimiser step, reached by gradient accumulation
     max_steps: int = 38_147  # optimiser steps: 10B tokens at 262,144 tokens per step
@@ -90,14 +92,18 @@ class TrainConfig:
     final_lr_frac: float = 0.1  # learning rates at the end of the decay, as a fraction of the peak
     grad_clip: float = 1.0  # global gradient-norm clip
     z_loss: float = 1e-5  # weight of mean(logsumexp(logits)²) in the loss
-    activation_checkpointing: bool = False  # recompute each block in the backward pass: 8-12 MiB per layer, ~25% slower steps
-    doc_mask: bool = True  # attention stays inside each document of a window (each <|endoftext|> opens one), as the authors trained
-    fsdp: bool = False  # under torchrun: weights, gradients, optimiser states sharded over the processes (FSDP2), not DDP
+    activation_checkpointing: bool = False  # recompute each block in the backward pass: 8-12 MiB per layer, ~25%
+                                            # slower steps
+    doc_mask: bool = True  # attention stays inside each document of a window (each <|endoftext|> opens one), as
+                           # the authors trained
+    fsdp: bool = False  # under torchrun: weights, gradients, optimiser states sharded over the processes (FSDP2),
+                        # not DDP
     # system
     device: str = None  # None: cuda if available, else cpu
     dtype: str = None  # None: bfloat16 autocast on cuda (fp32 master weights), float32 on cpu
     compile: bool = None  # None: torch.compile on cuda only
-    dist_timeout: int = 900  # seconds a collective may wait for the other processes (a dead or hung rank, a slow checkpoint write)
+    dist_timeout: int = 900  # seconds a collective may wait for the other processes (a dead or hung rank, a slow
+                             # checkpoint write)
     gpu_peak_flops: float = 989e12  # dense bf16 peak of one GPU (H100/H200), for MFU
     seed: int = 42  # seed of torch, numpy and random
 
@@ -109,51 +115,46 @@ class TrainConfig:
         if self.keep_every < 0:
             raise ValueError(f"keep_every={self.keep_every}: expected 0 (none) or a positive number of steps")
         if not all(type(s) is int and 0 < s < self.max_steps for s in self.keep_full):
-            raise ValueError(f"keep_full={self.keep_full}: expected steps between 1 and max_steps-1={self.max_steps - 1}")
+            raise ValueError(f"keep_full={self.keep_full}: expected steps between 1 and max_steps-1="
+                             f"{self.max_steps - 1}")
         micro = self.batch_size * model_config.block_size * world_size
         if self.total_batch_size % micro:
             raise ValueError(f"total_batch_size={self.total_batch_size}: expected a multiple of batch_size x "
                              f"block_size x processes = {micro}")
-
-    def micro_steps(self, model_config, world_size):
-        """The micro-steps per optimiser step (gradient accumulation): total_batch_size in batches of batch_size
-        windows per process."""
-        return self.total_batch_size // (self.batch_size * model_config.block_size * world_size)
+        if self.wandb_log and importlib.util.find_spec("wandb") is None:
+            raise ValueError("wandb_log=True: wandb is not installed (pip install wandb)")
 
     def branch_error(self, parent, step):
-        """Why continuing a run of configuration `parent` (flat, as its checkpoint records it) from its step `step`
-        with this configuration would not end bit for bit as a run of this one from scratch; None if it would.
-        Both must agree on every key that changes what steps 0..step-1 compute, and their schedules must too:
-        each step before the branch point comes before either run's learning-rate decay and momentum ramp-down."""
-        changed = [k for k in DEFAULTS if k not in BRANCH_FREE and k in parent and parent[k] != getattr(self, k)]
-        if changed:
-            return (f"its run has {', '.join(f'{k}={parent[k]!r}' for k in changed)}, this one "
-                    f"{', '.join(f'{k}={getattr(self, k)!r}' for k in changed)}: a branch changes max_steps only")
-        for m in (parent["max_steps"], self.max_steps):
-            if step - 1 > (1 - self.cooldown_frac) * m:
-                return (f"step {step} lies inside the learning-rate decay of a run of max_steps={m}: a branch point "
-                        f"s needs s - 1 <= (1 - cooldown_frac) x max_steps = {(1 - self.cooldown_frac) * m:g} in both runs")
-            if step - 1 > m - self.muon_momentum_steps:
-                return (f"step {step} lies inside the Muon momentum ramp-down of a run of max_steps={m}: a branch "
-                        f"point s needs s - 1 <= max_steps - muon_momentum_steps = {m - self.muon_momentum_steps} in "
-                        f"both runs")
-        return None
+        """Why a run of this configuration continuing one of `parent` (another max_steps) from its step `step` would
+        not end bit for bit as one of this from scratch: schedule() differs before step. None if it would not."""
+        t = schedule_differs(parent, self, step)
+        return None if t is None else (f"the schedules of max_steps={parent.max_steps} and max_steps={self.max_steps} "
+                                       f"differ from step {t}: a branch point s needs the same schedule at every step "
+                                       f"before s (here s <= {t})")
 
 
 POSITIVE = ("max_steps", "batch_size", "total_batch_size", "log_interval", "eval_interval", "ckpt_interval",
             "warmup_steps", "muon_momentum_steps", "dist_timeout")
 DEFAULTS = asdict(TrainConfig())
-# Keys a branch may set as it likes (they change no step's computation or logged value), beside max_steps
-BRANCH_FREE = {"max_steps", "out_dir", "init_from", "log_interval", "eval_interval", "ckpt_interval", "keep_every",
-               "keep_full", "wandb_log", "wandb_project", "wandb_run_name", "dist_timeout", "gpu_peak_flops"}
 MODEL_KEYS = [f.name for f in fields(GPTConfig)]
 ALL_DEFAULTS = {**DEFAULTS, **{f.name: f.default for f in fields(GPTConfig)}}
+# The keys in two kinds. Execution keys change how, when, where or how long a run goes, never what a step computes
+# (batch_size: at the same total_batch_size; data_dir: the same corpus, moved): a resume may change them. Every other
+# key (a fork's new one too) and every model key is a recipe key: a resume takes it from the checkpoint, unchanged.
+EXECUTION = {"data_dir", "out_dir", "init_from", "eval_only", "log_interval", "eval_interval", "eval_tokens",
+             "ckpt_interval", "keep_every", "keep_full", "wandb_log", "wandb_project", "wandb_run_name", "batch_size",
+             "max_steps", "activation_checkpointing", "fsdp", "device", "compile", "dist_timeout", "gpu_peak_flops"}
+# Execution keys that change no result nor logged value, bit for bit: a branch's own, and no variant's in sweep.py
+BRANCH_FREE = EXECUTION - {"data_dir", "eval_tokens", "batch_size", "activation_checkpointing", "fsdp", "device",
+                           "compile"}
+PER_START = {"out_dir", "init_from", "eval_only", "fsdp"}  # each start's own, as its processes: never a checkpoint's
 
 
 def split_config(flat):
-    """(TrainConfig, GPTConfig) of a flat {key: value} of both (what files and overrides set, logs record)."""
-    return TrainConfig(**{k: v for k, v in flat.items() if k in DEFAULTS}), \
-        GPTConfig(**{k: v for k, v in flat.items() if k in MODEL_KEYS})
+    """(TrainConfig, GPTConfig) of a flat {key: value} of both, as logs and checkpoints record it (a key it lacks at
+    its default, one they do not know left out)."""
+    return TrainConfig(**{k: tuple(v) if isinstance(DEFAULTS[k], tuple) else v for k, v in flat.items()
+                          if k in DEFAULTS}), GPTConfig(**{k: v for k, v in flat.items() if k in MODEL_KEYS})
 
 
 def help_sections():
@@ -163,16 +164,26 @@ def help_sections():
              key_comments(sys.modules[GPTConfig.__module__].__file__, "GPTConfig"))]
 
 
-# ----------------------------------------------------------------------------- the schedule
+# ----------------------------------------------------------------------------- the optimisers and their schedule
+
+def build_optimizers(model, cfg):
+    """The recipe's optimisers, by name (schedule() gives each its <name>_lr): Muon for the weights of the nn.Linear
+    layers inside the network, maps from one hidden vector to another, which its orthogonalised update suits; AdamW
+    for every other trained parameter (embedding, lm_head, norms, biases, λ, a fork's); a frozen one in neither."""
+    muon = muon_params(model)
+    adam = [p for p in model.parameters() if id(p) not in set(map(id, muon)) and p.requires_grad]
+    fused = {"fused": True} if next(model.parameters()).is_cuda else {}
+    return Optimizers(muon=Muon(muon, cfg.muon_lr, cfg.muon_momentum, cfg.muon_beta2, cfg.muon_weight_decay),
+                      adam=torch.optim.AdamW(adam, lr=cfg.adam_lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
+                                             weight_decay=cfg.adam_weight_decay, **fused))
+
 
 def lr_multiplier(step, cfg):
     """Linear warmup, constant, then linear decay over the last cooldown_frac of the run to final_lr_frac."""
     if step < cfg.warmup_steps:
         return (step + 1) / cfg.warmup_steps
     decay_start = cfg.max_steps * (1 - cfg.cooldown_frac)
-    if step < decay_start:
-        return 1.0
-    progress = (step - decay_start) / (cfg.max_steps - decay_start)
+    progress = max(0.0, (step - decay_start) / (cfg.max_steps - decay_start))  # 0 until the decay starts
     return 1.0 - (1.0 - cfg.final_lr_frac) * progress
 
 
@@ -182,22 +193,24 @@ def muon_momentum(step, cfg):
     return cfg.muon_momentum_min + (cfg.muon_momentum - cfg.muon_momentum_min) * ramp
 
 
-def set_schedule(optimizers, step, cfg):
-    """Both optimisers' learning rates (one multiplier) and Muon's momentum for this step: {muon_lr, adam_lr}."""
-    muon, adam = optimizers
+def schedule(step, cfg):
+    """Every quantity the recipe schedules at a step, by name: each optimiser's learning rate (<name>_lr: its peak from
+    the config times one multiplier), Muon's momentum, and whatever a fork schedules (a loss weight the loop reads
+    here, say). Optimizers.set_schedule applies it; whether a branch or a resume is exact is read from it alone."""
     mult = lr_multiplier(step, cfg)
-    for g in muon.param_groups:
-        g["lr"], g["momentum"] = cfg.muon_lr * mult, muon_momentum(step, cfg)
-    for g in adam.param_groups:
-        g["lr"] = cfg.adam_lr * mult
-    return {"muon_lr": cfg.muon_lr * mult, "adam_lr": cfg.adam_lr * mult}
+    return {"muon_lr": cfg.muon_lr * mult, "adam_lr": cfg.adam_lr * mult, "muon_momentum": muon_momentum(step, cfg)}
+
+
+def schedule_differs(a, b, steps):
+    """The first step before `steps` at which configurations a and b schedule anything differently; None if none."""
+    return next((t for t in range(steps) if schedule(t, a) != schedule(t, b)), None)
 
 
 # ----------------------------------------------------------------------------- main: configure, build, restore, loop
 
 def main(argv):
     """Train as argv says: configure, build, restore, then the loop (or one evaluation). Returns the last train loss
-    (eval_only: the validation loss); a stop by a signal exits with status 75."""
+    (eval_only: the validation loss); a one-line error exits with status 1, a stop by a signal with 75."""
     if wants_help(argv):
         print(help_text(__doc__, help_sections()))
         return None
@@ -217,22 +230,20 @@ def main(argv):
                                f"nothing to do")
                     return None
                 run = build(cfg, model_config, worker)
-            except (ValueError, FileNotFoundError) as e:
+                if ckpt is not None:
+                    restore(run, ckpt, path)
+            except (ValueError, OSError) as e:
                 sys.exit(f"train.py: error: {e}")
-            if ckpt is not None:
-                restore(run, ckpt, path)
-            stopped_by = None
             if cfg.eval_only:
-                result = evaluate(run, None)
+                result, stopped_by = evaluate(run, None), None
                 worker.say(f"step {run.step}: val loss {result:.4f} on the whole validation set")
             else:
-                resume_hint = f"--init_from=auto resumes from {run.ckpt_path}"
-                with parallel.collectives_fail_in_one_line(worker, cfg.dist_timeout, resume_hint), Log(run) as log:
-                    log.start(ALL_DEFAULTS)
-                    stopped_by = train(run, log, stop)
-                if stopped_by:
-                    tell(f"train.py: rank {worker.rank}: stopped after step {run.step} ({stopped_by}); {run.ckpt_path} "
-                         f"holds it: the same command with --init_from=auto continues the run (exit status {PREEMPTED})")
+                try:
+                    with parallel.collectives_fail_in_one_line(worker, cfg.dist_timeout, run.ckpt_path), \
+                            Log(run, ALL_DEFAULTS) as log:
+                        stopped_by = train(run, log, stop)
+                except RunFailed as e:
+                    sys.exit(f"train.py: error: {e}")
                 result = run.train_loss
             del run  # before the process group ends with this block: no DDP wrapper may outlive it (parallel.Worker)
     if stopped_by:
@@ -241,41 +252,29 @@ def main(argv):
 
 
 def configure(given, cfg, worker):
-    """Everything about the input that can be wrong, checked before any work: the checkpoint to start from, the
-    model (the checkpoint's, when there is one: the model keys given must agree with it), the keys' values.
-    Returns (cfg, model_config, the checkpoint and its path, or None and None)."""
+    """Everything about the input that can be wrong, checked before any work: the checkpoint to start from, the keys
+    and their values. Returns (cfg, model_config, the checkpoint, its path)."""
     ckpt, path = load_resumable(cfg.out_dir, cfg.init_from, cfg.eval_only, cfg.fsdp)  # either kind: DDP <-> FSDP
     if ckpt is None:
         model_config = GPTConfig(**{k: v for k, v in {**ALL_DEFAULTS, **given}.items() if k in MODEL_KEYS})
-    else:
-        model_config = checkpoint_model(ckpt, given, path)
-        if "doc_mask" not in given:  # resume, eval_only: as trained, unless overridden
-            cfg = replace(cfg, doc_mask=trained_doc_mask(ckpt))
-    cfg.check(model_config, worker.world_size)
-    if path is not None and is_branch(path, cfg.out_dir):  # a branch (Hagele et al., 2024): exact, or refused
-        error = cfg.branch_error(ckpt["config"], ckpt["step"])
+    else:  # each key left out is the checkpoint's, but PER_START's (and a branch's BRANCH_FREE keys: its own)
+        model_config = GPTConfig.from_dict(ckpt["model_config"], f"{path}: model_config")
+        branch = is_branch(path, cfg.out_dir)
+        changeable, why = ((BRANCH_FREE, "a branch changes max_steps only") if branch else (set(DEFAULTS), "the "
+                           "model is the checkpoint's") if cfg.eval_only else (EXECUTION, "a run continues with the "
+                                                                                "recipe it was saved with"))
+        saved, flat = checkpoint.continued_keys(ckpt, given, path, ALL_DEFAULTS, changeable, why,
+                                                PER_START | (BRANCH_FREE if branch else set()))
+        cfg, parent = split_config(flat)[0], split_config(saved)[0]
+        error = cfg.branch_error(parent, ckpt["step"]) if branch else None  # Hagele et al., 2024: exact or refused
         if error:
             raise ValueError(f"{path}: cannot branch from it: {error}")
+        if not (branch or cfg.eval_only) and cfg.max_steps != parent.max_steps:
+            t = schedule_differs(parent, cfg, max(cfg.max_steps, parent.max_steps))
+            worker.say(f"max_steps={cfg.max_steps}, the run's was {parent.max_steps}: the two schedules "
+                       + ("agree at every step" if t is None else f"differ from step {t} on"))
+    cfg.check(model_config, worker.world_size)
     return cfg, model_config, ckpt, path
-
-
-def checkpoint_model(ckpt, given, path):
-    """The GPTConfig of a checkpoint that a run continues or evaluates (a field it lacks, added to GPTConfig
-    later, takes its default); the model keys that config files or overrides set (given) must agree with it."""
-    config = GPTConfig.from_dict(ckpt["model_config"], f"{path}: model_config")
-    saved = asdict(config)
-    conflict = [k for k in saved if k in given and given[k] != saved[k]]
-    if conflict:
-        show = lambda d: ", ".join(f"{k}={d[k]!r}" for k in conflict)
-        raise ValueError(f"{path}: its model has {show(saved)}, the configuration sets {show(given)} "
-                         f"(leave the model keys out to take the checkpoint's)")
-    return config
-
-
-def is_branch(path, out_dir):
-    """Whether a run in out_dir starting from the checkpoint path starts from another run's (a branch point of
-    keep_full), not from its own, of either kind."""
-    return path not in (checkpoint_path(out_dir), checkpoint_path(out_dir, sharded=True))
 
 
 @dataclass
@@ -287,13 +286,13 @@ class Run:
     model: GPT  # what is saved (never the compiled or DDP wrapper)
     eval_model: nn.Module  # what evaluates: model, compiled or not
     train_model: nn.Module  # what trains: eval_model, in DDP when there are several processes
-    optimizers: list  # [Muon, AdamW]
+    optimizers: Optimizers  # by name: muon, adam
     loader: DataLoader  # the train data and its position (None for eval_only)
+    parts: dict  # {name: object with state_dict() and load_state_dict()}: model, optimizers, loader, rng, ...
     step: int = 0
     train_loss: float = None  # of the last step
     pending_log: dict = None  # a stop at an evaluation step: its log entry, evaluated and logged on resume
     started_from: str = None  # the checkpoint it (re)started from: its log begins with that run's, up to step
-    branched: bool = False  # started_from is another run's branch point (keep_full)
 
     @property
     def ckpt_path(self):
@@ -305,16 +304,16 @@ class Run:
 
 
 def build(cfg, model_config, worker):
-    """The data readers (every shard checked now, the val shard too), the model (seeded), its optimisers."""
+    """The data readers (every shard checked now, the val shard too), the model (seeded), its optimisers, and the
+    resumable parts: what a checkpoint saves, by name (a fork's own part is registered here)."""
     T, V, rank, world = model_config.block_size, model_config.vocab_size, worker.rank, worker.world_size
-    accum = cfg.micro_steps(model_config, world)
+    accum = cfg.total_batch_size // (cfg.batch_size * T * world)  # micro-steps per step (check: a whole number)
     # one window of total_batch_size tokens per step, split into micro-steps: the same tokens whatever the mix
     # of processes and accumulation (and at shard ends, too)
     loader = None if cfg.eval_only else DataLoader(cfg.data_dir, accum * cfg.batch_size, T, rank, world, V)
     next(val_batches(cfg.data_dir, cfg.batch_size, T, cfg.eval_tokens, rank, world, V), None)
-    torch.manual_seed(cfg.seed)
-    random.seed(cfg.seed)
-    np.random.seed(cfg.seed)
+    for seed in (torch.manual_seed, random.seed, np.random.seed):
+        seed(cfg.seed)
     model = GPT(model_config)
     model.activation_checkpointing = cfg.activation_checkpointing
     if cfg.fsdp:  # DDP or FSDP: sharded in place, each unit moved to the device as it is sharded, compiled per block
@@ -323,16 +322,18 @@ def build(cfg, model_config, worker):
         model = model.to(worker.device)
         eval_model = torch.compile(model) if worker.compile else model
         train_model = parallel.data_parallel(eval_model, worker)
-    optimizers = build_optimizers(model, cfg, rank, world)
-    return Run(cfg, worker, accum, model, eval_model, train_model, optimizers, loader)
+    optimizers = build_optimizers(model, cfg)
+    if cfg.fsdp:  # before any step: each optimiser's state must fit the sharded checkpoint
+        sharding.check_optimizers(model, optimizers)
+    parts = {"model": model, "optimizers": optimizers, "loader": loader, "rng": RNG()}
+    return Run(cfg, worker, accum, model, eval_model, train_model, optimizers, loader, parts)
 
 
 def restore(run, ckpt, path):
-    """Continue from a checkpoint: the weights, and for training the optimisers, data position, RNG and step."""
+    """Every resumable part (eval_only: the weights) from either kind of checkpoint, into either kind of model."""
     training = not run.cfg.eval_only
-    run.pending_log = checkpoint.restore(ckpt, run.model, run.optimizers if training else None,
-                                         run.loader if training else None)  # either kind into either kind of model
-    run.step, run.started_from, run.branched = ckpt["step"], path, is_branch(path, run.cfg.out_dir)
+    run.pending_log = checkpoint.restore(ckpt, run.parts if training else {"model": run.model}, path, training)
+    run.step, run.started_from = ckpt["step"], path
 
 
 # ----------------------------------------------------------------------------- the loop
@@ -341,11 +342,11 @@ def train(run, log, stop):
     """The loop, from the checkpoint's step (or 0) to max_steps. Returns what stopped it early (a signal), or None."""
     cfg, worker = run.cfg, run.worker
     if run.step == 0 or run.pending_log:  # the loss the run starts from, or the evaluation a stop left to do
-        log.evaluation(run.pending_log or {"step": 0}, evaluate(run, cfg.eval_tokens))
+        log.write(log_entry(run, run.pending_log or {}, evaluating=True))
     while run.step < cfg.max_steps:
         # one optimiser step: forward and backward over the micro-batches, the gradients summed, then clip and step
         t0, epoch = time.perf_counter(), run.loader.epoch
-        entry = {"step": run.step + 1, **set_schedule(run.optimizers, run.step, cfg)}
+        measured = run.optimizers.set_schedule(schedule(run.step, cfg))  # the learning rates: <name>_lr
         loss_sum = torch.zeros((), device=worker.device)
         for x, y, last in micro_batches(run):
             with parallel.gradient_sync(run.train_model, last):  # DDP all-reduces on the last micro-step only
@@ -353,33 +354,42 @@ def train(run, log, stop):
                     _, loss = run.train_model(x, y, z_loss=cfg.z_loss, doc_mask=cfg.doc_mask)
                 (loss / run.accum).backward()
             loss_sum += loss.detach()
-        entry["train_loss"] = run.train_loss = worker.sum(loss_sum).item() / (run.accum * worker.world_size)
-        stop_unless_finite(run, entry, "train_loss")
-        entry["grad_norm"] = clip_gradients(run.model, cfg.grad_clip)  # the global norm, before clipping it
-        stop_unless_finite(run, entry, "grad_norm")  # a finite loss with broken gradients (a miscompiled kernel, say)
-        for opt in run.optimizers:  # Muon's update: optim.Muon.update
+        measured["train_loss"] = run.train_loss = worker.sum(loss_sum).item() / (run.accum * worker.world_size)
+        measured["grad_norm"] = clip_gradients(run.model, cfg.grad_clip)  # the global norm, before clipping it
+        stop_unless_finite(run, measured)  # before the step: no checkpoint may hold what it would do
+        for opt in run.optimizers.values():  # Muon's update: optim.Muon.update
             opt.step()
             opt.zero_grad(set_to_none=True)
         run.step += 1
         log.times.append(time.perf_counter() - t0)
         # what is due after the step: an evaluation, a log line, checkpoints, a stop
+        measured.update(log.timing())
         stopping = run.step < cfg.max_steps and stop.agreed(worker)  # a signal to any rank: all stop after this step
         if run.loader.epoch != epoch:  # this step's batch began the data again from the first shard
-            entry["epoch"] = run.loader.epoch
-            log.say(f"step {run.step}: end of the train data, wrapping around to its start: epoch "
-                    f"{entry['epoch']} begins")
+            measured["epoch"] = run.loader.epoch
+        evaluating = due(run.step, cfg.eval_interval, cfg)
         pending = stopping and run.step % cfg.eval_interval == 0  # that evaluation is left to the resumed run
-        if due(run.step, cfg.eval_interval, cfg) and not pending:
-            entry["val_loss"] = evaluate(run, cfg.eval_tokens)
-        if not pending and (due(run.step, cfg.log_interval, cfg) or "val_loss" in entry or "epoch" in entry):
-            log.step(entry)
-        for path in checkpoints_due(run, stopping):
-            save(run, path, pending_log=entry if pending else None)
-        if cfg.keep_every and run.step % cfg.keep_every == 0:
-            keep_weights(run)
+        if not pending and (due(run.step, cfg.log_interval, cfg) or evaluating or "epoch" in measured):
+            log.write(log_entry(run, measured, evaluating))
+        for path in [run.ckpt_path] * (due(run.step, cfg.ckpt_interval, cfg) or stopping) + \
+                [branch_path(cfg.out_dir, run.step, cfg.fsdp)] * (run.step in cfg.keep_full):  # a branch point
+            save(run, path, pending_log={"step": run.step, **measured} if pending else None)
+        if cfg.keep_every and run.step % cfg.keep_every == 0:  # weights only: the history analyze.py reads
+            save_weights(kept_path(cfg.out_dir, run.step), run.model, run.flat_config(), run.step,
+                         f"train.py, step {run.step} of {cfg.out_dir}", worker.master)
         if stopping:
-            return stop.received or "a signal to another rank"
+            return stop.stopped(worker, run.step, run.ckpt_path)  # each rank says so: what stopped it
     return None
+
+
+def log_entry(run, measured, evaluating):
+    """The log entry of run.step: what its step measured (the learning rates, losses, times; nothing at step 0) and,
+    when evaluating, the validation loss. The loop, step 0 and the evaluation a stop left to the resumed run all
+    build theirs here, so a metric added here is in each."""
+    entry = {"step": run.step, **measured}
+    if evaluating:
+        entry["val_loss"] = evaluate(run, run.cfg.eval_tokens)
+    return entry
 
 
 def micro_batches(run):
@@ -390,25 +400,17 @@ def micro_batches(run):
         yield x.to(device, non_blocking=True), y.to(device, non_blocking=True), i == run.accum - 1
 
 
-def checkpoints_due(run, stopping):
-    """The resume checkpoints of this step: the rolling one every ckpt_interval steps, at the end and at a stop; a
-    branch point of keep_full."""
-    rolling = due(run.step, run.cfg.ckpt_interval, run.cfg) or stopping
-    branch = branch_path(run.cfg.out_dir, run.step, run.cfg.fsdp)
-    return [run.ckpt_path] * rolling + [branch] * (run.step in run.cfg.keep_full)
-
-
 def due(step, interval, cfg):
     """Whether step is one of every `interval` steps, or the last."""
     return step % interval == 0 or step == cfg.max_steps
 
 
-def stop_unless_finite(run, entry, key):
-    """A non-finite loss or gradient norm stops the run before any checkpoint holds what it did to the weights."""
-    if not math.isfinite(entry[key]):
-        what = {"train_loss": "loss", "grad_norm": "gradient norm"}[key]
-        raise SystemExit(f"train.py: error: non-finite {what} ({entry[key]}) at step {entry['step']}; the last good "
-                         f"checkpoint, if any, is {run.ckpt_path}")
+def stop_unless_finite(run, measured):
+    """A non-finite loss or gradient norm (broken gradients: a miscompiled kernel, say) stops the run."""
+    for key, what in (("train_loss", "loss"), ("grad_norm", "gradient norm")):
+        if not math.isfinite(measured[key]):
+            raise RunFailed(f"non-finite {what} ({measured[key]}) at step {run.step + 1}; the last good checkpoint, "
+                            f"if any, is {run.ckpt_path}")
 
 
 @torch.no_grad()
@@ -430,26 +432,14 @@ def evaluate(run, max_tokens):
 # ----------------------------------------------------------------------------- checkpoints
 
 def save(run, path, pending_log=None):
-    """A resume checkpoint: rank 0 writes it (every rank its shards, under FSDP), and every rank learns whether that
-    worked (a full disk stops the run with one line, the previous checkpoint intact)."""
-    error = None
+    """A resume checkpoint of every part; a rank that cannot write it (a full disk) stops every rank, in one line."""
+    header = {"model_config": asdict(run.model.config), "config": run.flat_config(), "step": run.step,
+              **({"pending_log": pending_log} if pending_log else {})}
     try:
-        save_resumable(path, run.model, run.optimizers, run.loader, run.flat_config(), run.step, pending_log,
-                       run.worker.master)
+        checkpoint.save_resumable(path, run.parts, header, run.worker)
     except OSError as e:
-        error = e
-    if run.worker.any(error is not None):
-        why = f"{error.strerror or error}" if error else "rank 0 could not write it"
-        full = " (the disk is full)" if error and error.errno == errno.ENOSPC else ""
-        raise SystemExit(f"train.py: error: step {run.step}: {path}: {why}{full}; the previous "
-                         f"checkpoint, if any, is intact, and --init_from=auto resumes from it")
-
-
-def keep_weights(run):
-    """A weights-only checkpoint of this step beside the resume one: the history that analyze.py, eval.py and
-    sample.py read as they are."""
-    save_weights(kept_path(run.cfg.out_dir, run.step), run.model, run.flat_config(), run.step,
-                 f"train.py, step {run.step} of {run.cfg.out_dir}", run.worker.master)
+        raise RunFailed(f"step {run.step}: {e}; the previous checkpoint, if any, is intact, and --init_from=auto "
+                        f"resumes from it") from None
 
 
 if __name__ == "__main__":

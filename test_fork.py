@@ -1,0 +1,210 @@
+"""The recipes of docs/FORKING.md, each applied as written there (git apply, to a copy of the repository's modules)
+and run in this process: the changed run, stopped by a SIGTERM at an evaluation step and resumed, ends bit for bit
+as the same changed run unbroken (weights, every resumable part, the log). Beside that, what each recipe promises:
+the recipe key refused on resume, the schedule's branch refused, three named optimiser states, the EMA kept on a
+resume that leaves its key out and sharded under FSDP at 2 processes, the new metric in every evaluation's entry."""
+import contextlib
+import importlib
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import checkpoint
+import sharding
+from test_faults import ENV, TORCHRUN, finish
+from test_train import SMALL, data_dir, read_log, stopped_at  # noqa: F401  (data_dir: the toy shards fixture)
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+MODULES = sorted(f[:-3] for f in os.listdir(ROOT) if f.endswith(".py") and not f.startswith(("test_", "conftest")))
+# one stop at step 3, an evaluation step: the resumed run does the evaluation the stop left (its pending log entry)
+STEPS = ["--max_steps=6", "--eval_interval=3", "--ckpt_interval=3"]
+
+
+def recipes():
+    """{number: the diff} of each recipe of docs/FORKING.md (### N. title, then its ```diff block)."""
+    text = open(os.path.join(ROOT, "docs", "FORKING.md"), encoding="utf-8").read()
+    found = dict(re.findall(r"^### (\d+)\. [^\n]*\n.*?^```diff\n(.*?)^```", text, flags=re.M | re.S))
+    return {int(n): diff for n, diff in found.items()}
+
+
+def fork_of(number, tmp_path):
+    """A copy of the repository's modules and configs/ with recipe `number` applied as docs/FORKING.md writes it."""
+    fork = tmp_path / "fork"
+    fork.mkdir()
+    for name in MODULES:
+        shutil.copy(os.path.join(ROOT, f"{name}.py"), fork)
+    shutil.copytree(os.path.join(ROOT, "configs"), fork / "configs")
+    r = subprocess.run(["git", "apply", "-"], input=recipes()[number], cwd=fork, capture_output=True, text=True)
+    assert r.returncode == 0, f"docs/FORKING.md's recipe {number} does not apply: {r.stderr}"
+    return fork
+
+
+@contextlib.contextmanager
+def forked(number, tmp_path):
+    """The fork's train module, imported in this process (with the fork's copy of every module it imports); the
+    repository's own modules back in place afterwards."""
+    fork = fork_of(number, tmp_path)
+    saved = {name: sys.modules.pop(name) for name in MODULES if name in sys.modules}
+    sys.path.insert(0, str(fork))
+    try:
+        yield importlib.import_module("train"), fork
+    finally:
+        sys.path.remove(str(fork))
+        for name in MODULES:
+            sys.modules.pop(name, None)
+        sys.modules.update(saved)
+
+
+def assert_equal(a, b, where="checkpoint"):
+    """Two checkpoints' contents (nested dicts of tensors and plain values) equal, tensors bit for bit."""
+    if isinstance(a, dict):
+        assert isinstance(b, dict) and a.keys() == b.keys(), (where, a.keys(), b.keys())
+        for k in a:
+            assert_equal(a[k], b[k], f"{where}.{k}")
+    elif torch.is_tensor(a):
+        assert torch.is_tensor(b) and a.dtype == b.dtype and torch.equal(a, b), where
+    else:
+        assert a == b, (where, a, b)
+
+
+def logged(out):
+    return [{k: v for k, v in e.items() if k not in ("step_ms", "tok_per_s")} for e in read_log(out)]
+
+
+def assert_same_run(a, b):
+    """The final checkpoints of two run directories hold the same parts, bit for bit, and their logs the same
+    entries (but the step times)."""
+    ca, cb = (checkpoint.load_checkpoint(f"{out}/ckpt.pt", ("parts",)) for out in (a, b))
+    assert ca["parts"] == cb["parts"]
+    assert_equal({k: ca[k] for k in ca["parts"] + ["step"]}, {k: cb[k] for k in cb["parts"] + ["step"]})
+    assert logged(a) == logged(b)
+
+
+def stopped_and_unbroken(train, args, tmp_path, monkeypatch):
+    """The run of args unbroken, and again stopped at step 3 and resumed with the same command; their directories."""
+    unbroken, resumed = str(tmp_path / "unbroken"), str(tmp_path / "resumed")
+    train.main(args + [f"--out_dir={unbroken}"])
+    stopped_at(3, args + [f"--out_dir={resumed}"], monkeypatch, train)
+    train.main(args + [f"--out_dir={resumed}", "--init_from=auto"])
+    assert_same_run(unbroken, resumed)
+    return unbroken, resumed
+
+
+def test_every_recipe_applies_and_touches_one_file():
+    """Six recipes; each changes one file, the one its section names."""
+    found = recipes()
+    assert sorted(found) == [1, 2, 3, 4, 5, 6]
+    for number, diff in found.items():
+        files = set(re.findall(r"^\+\+\+ b/(\S+)", diff, flags=re.M))
+        assert files == ({"configs/exoformer_v.py"} if number == 5 else {"train.py"}), (number, files)
+
+
+def test_torch_muon_behind_a_key_resumes_exactly_and_the_key_is_kept(data_dir, tmp_path, monkeypatch, capsys):
+    with forked(1, tmp_path) as (train, _):
+        args = SMALL + STEPS + [f"--data_dir={data_dir}", "--muon_impl=torch"]
+        unbroken, resumed = stopped_and_unbroken(train, args, tmp_path, monkeypatch)
+        state = checkpoint.load_checkpoint(f"{resumed}/ckpt.pt", ("optimizers",))["optimizers"]["muon"]["state"]
+        assert {k for s in state.values() for k in s} == {"momentum_buffer"}  # torch.optim.Muon's
+        with pytest.raises(SystemExit, match=r"ckpt.pt: muon_impl='torch' in the checkpoint, muon_impl='ours' given: "
+                                             r"a run continues with the recipe it was saved with"):
+            train.main(SMALL + [f"--data_dir={data_dir}", f"--out_dir={resumed}", "--max_steps=8",
+                                "--muon_impl=ours", "--init_from=auto"])
+
+
+def test_a_cosine_schedule_resumes_exactly_and_its_branches_and_budgets_are_refused(data_dir, tmp_path,
+                                                                                     monkeypatch):
+    with forked(2, tmp_path) as (train, fork):
+        args = SMALL + STEPS + [f"--data_dir={data_dir}"]
+        unbroken, _ = stopped_and_unbroken(train, args + ["--keep_full=4"], tmp_path, monkeypatch)
+        lrs = [e["muon_lr"] for e in read_log(unbroken)[1:]]  # steps 0 to 5
+        assert lrs[2] > lrs[3] > lrs[4] > lrs[5]  # the cosine decays from the end of the warmup (2 steps)
+        point = f"{unbroken}/ckpt_000004_full.pt"
+        with pytest.raises(SystemExit, match=r"cannot branch from it: the schedules of max_steps=6 and max_steps=5 "
+                                             r"differ from step 3"):
+            train.main(SMALL + [f"--data_dir={data_dir}", f"--out_dir={tmp_path / 'branch'}", "--max_steps=5",
+                                f"--init_from={point}"])
+        assert not os.path.exists(tmp_path / "branch")
+        sweep = importlib.import_module("sweep")
+        with pytest.raises(ValueError, match=r"--budgets: 0.5 \(10 steps\): its schedule and the full run's differ "
+                                             r"from step 3, .* less than 50%; --budgets_from_scratch runs it"):
+            sweep.plan([str(fork / "configs" / "gated.py")], [0], [0.5, 1], SMALL[1:] + [
+                f"--data_dir={data_dir}", "--max_steps=20"], str(tmp_path / "sweep"))
+
+
+def test_a_third_optimizer_resumes_exactly_by_name(data_dir, tmp_path, monkeypatch):
+    with forked(3, tmp_path) as (train, _):
+        unbroken, resumed = stopped_and_unbroken(train, SMALL + STEPS + [f"--data_dir={data_dir}"], tmp_path,
+                                                 monkeypatch)
+        states = checkpoint.load_checkpoint(f"{resumed}/ckpt.pt", ("optimizers",))["optimizers"]
+        assert list(states) == ["muon", "adam", "lam"] and len(states["lam"]["state"]) > 0
+        assert all({"muon_lr", "adam_lr", "lam_lr"} <= e.keys() for e in read_log(resumed)[1:])
+
+
+def test_an_ema_of_the_weights_resumes_exactly_even_when_its_key_is_left_out(data_dir, tmp_path, monkeypatch):
+    with forked(4, tmp_path) as (train, _):
+        args = SMALL + STEPS + [f"--data_dir={data_dir}", "--ema_decay=0.9"]
+        unbroken, resumed = stopped_and_unbroken(train, args, tmp_path, monkeypatch)
+        ckpt = checkpoint.load_checkpoint(f"{resumed}/ckpt.pt", ("ema",))
+        assert ckpt["parts"][-1] == "ema" and ckpt["ema"]["average"].keys() == ckpt["model"].keys()
+        assert not all(torch.equal(ckpt["ema"]["average"][k], ckpt["model"][k]) for k in ckpt["model"])
+        # the key left out on resume: the checkpoint's, and its average goes on
+        train.main(SMALL + [f"--data_dir={data_dir}", f"--out_dir={resumed}", "--max_steps=7", "--init_from=auto"])
+        later = checkpoint.load_checkpoint(f"{resumed}/ckpt.pt", ("ema",))
+        assert later["config"]["ema_decay"] == 0.9 and later["step"] == 7
+        assert not torch.equal(later["ema"]["average"]["wte.weight"], ckpt["ema"]["average"]["wte.weight"])
+
+
+STOP = """import os, signal, sys
+sys.path.insert(0, os.getcwd())
+import train
+stop_at, real = int(sys.argv[1]), train.micro_batches
+def micro_batches(run):
+    if run.step + 1 == stop_at:
+        os.kill(os.getpid(), signal.SIGTERM)
+    return real(run)
+train.micro_batches = micro_batches
+train.main(sys.argv[2:])
+"""
+
+
+def test_an_ema_of_the_weights_under_fsdp_is_sharded_and_resumes_exactly(data_dir, tmp_path):
+    """The EMA recipe at 2 processes under FSDP: its average goes to ckpt.dcp sharded, as the weights' do, and the
+    run stopped by SIGTERM (to both ranks) and resumed ends bit for bit as unbroken."""
+    fork = fork_of(4, tmp_path)
+    (fork / "stop.py").write_text(STOP)
+    args = SMALL + STEPS + [f"--data_dir={data_dir}", "--ema_decay=0.9", "--fsdp=True", "--init_from=auto"]
+    unbroken, resumed = str(tmp_path / "unbroken"), str(tmp_path / "resumed")
+    for command in (["train.py", *args, f"--out_dir={unbroken}"], ["stop.py", "3", *args, f"--out_dir={resumed}"],
+                    ["train.py", *args, f"--out_dir={resumed}"]):
+        code, _, err = finish(subprocess.Popen(TORCHRUN + command, cwd=fork, env=ENV, text=True,
+                                               stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+        assert code == 0 or (command[0] == "stop.py" and sharding.read_state(f"{resumed}/ckpt.dcp")["step"] == 3), err
+    metadata = sharding._metadata(f"{resumed}/ckpt.dcp").state_dict_metadata
+    assert "ema.average.wte.weight" in metadata and metadata["ema.average.wte.weight"].chunks[1:]  # sharded: 2 chunks
+    a, b = (sharding.load_whole(f"{out}/ckpt.dcp", ("optimizers", "ema", "loader", "rng"))
+            for out in (unbroken, resumed))
+    assert a["parts"] == b["parts"] == ["model", "optimizers", "loader", "rng", "ema"]
+    assert_equal({k: a[k] for k in a["parts"] + ["step"]}, {k: b[k] for k in b["parts"] + ["step"]})
+    assert logged(unbroken) == logged(resumed)
+
+
+def test_a_v_only_anchor_variant_resumes_exactly(data_dir, tmp_path, monkeypatch):
+    with forked(5, tmp_path) as (train, fork):
+        args = [str(fork / "configs" / "exoformer_v.py")] + SMALL[1:] + STEPS + [f"--data_dir={data_dir}"]
+        unbroken, _ = stopped_and_unbroken(train, args, tmp_path, monkeypatch)
+        model = checkpoint.load_checkpoint(f"{unbroken}/ckpt.pt")
+        assert model["model_config"]["mix"] == "v" and model["model"]["anchor_proj.weight"].shape == (64, 64)
+
+
+def test_one_more_logged_metric_is_in_every_evaluation_even_the_one_a_stop_left(data_dir, tmp_path, monkeypatch):
+    with forked(6, tmp_path) as (train, _):
+        unbroken, resumed = stopped_and_unbroken(train, SMALL + STEPS + [f"--data_dir={data_dir}"], tmp_path,
+                                                 monkeypatch)
+        evaluated = [e for e in read_log(resumed) if "val_loss" in e]
+        assert [e["step"] for e in evaluated] == [0, 3, 6]  # 3: the evaluation the stop left to the resumed run
+        assert all(e["val_loss_no_anchor"] != e["val_loss"] for e in evaluated[1:])
