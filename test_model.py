@@ -24,7 +24,7 @@ ROOT = os.path.dirname(os.path.abspath(__file__))
 CONFIG_DIR = os.path.join(ROOT, "configs")
 # Every file in configs/ gets the generic tests (counts, reference, causality, gradients), a fork's new one too;
 # the paper's variants, a fixed list, are also checked against README.md's table.
-OVERLAYS = ("tiny.py", "size_3b.py", "size_7b.py")  # sizes to put after any variant file, not variants
+OVERLAYS = ("tiny.py", "small.py", "size_3b.py", "size_7b.py")  # sizes to put after any variant file, not variants
 VARIANT_FILES = sorted(f for f in glob.glob(os.path.join(CONFIG_DIR, "*.py")) if not f.endswith(OVERLAYS))
 PAPER_VARIANTS = ["baseline", "gated", "resformer", "nuresformer_s", "nuresformer_h", "nuresformer_e",
                   "exoformer_s", "exoformer_h", "exoformer_e", "dyn_exo", "exoformer_e_nonorm",

@@ -4,8 +4,8 @@ group on both hosts; a lost host (its agent and worker killed at once) started a
 checkpoint; each run ends bit for bit as test_faults' unbroken run of 2 processes on one host. The namespaces share
 the hostname and /etc/hosts, so each host is told its address (--local_addr), the rendezvous host that it holds the
 store (--rdzv_conf=is_host=1), and gloo its interface (GLOO_SOCKET_IFNAME); every restart gets a store of its own
-(TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1). Needs root and iproute2: skipped without them, except in CI (.ci/run installs
-them), where they fail."""
+(TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1). Needs root, iproute2 and a network namespace that `ip netns add` can make:
+skipped without them, except in CI (.ci/run installs them), where they fail."""
 import contextlib
 import os
 import shutil
@@ -23,11 +23,22 @@ from test_faults import unbroken  # noqa: F401  (a fixture: the unbroken run of 
 from test_train import assert_same_run, data_dir, read_log  # noqa: F401  (data_dir: the toy shards fixture)
 
 
+def namespace_made():
+    """Whether `ip netns add` makes a network namespace here (as root in a container, it needs NET_ADMIN): a
+    throwaway one, deleted at once."""
+    name = f"exoprobe{os.getpid()}"
+    if subprocess.run(["ip", "netns", "add", name], capture_output=True, timeout=30).returncode:
+        return False
+    subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=30)
+    return True
+
+
 @pytest.fixture(scope="module", autouse=True)
 def root_and_iproute2():
     """In a fixture, not at import: in CI a missing one fails these tests, not the whole session's collection."""
     needs("needs root (it makes network namespaces)" if os.geteuid() else
-          None if shutil.which("ip") else "needs iproute2's ip (apt-get install iproute2)")
+          "needs iproute2's ip (apt-get install iproute2)" if not shutil.which("ip") else
+          None if namespace_made() else "cannot make a network namespace (ip netns add; a container needs NET_ADMIN)")
 
 
 NET = "192.0.2"  # RFC 5737's TEST-NET-1: documentation addresses, which no network routes
