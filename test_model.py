@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from configurator import load_config
-from torch.nn.attention.flex_attention import create_mask
+from torch.nn.attention.flex_attention import create_block_mask, create_mask
 
-from model import (EOT, GPT, GRANULARITY_SHAPES, GPTConfig, KVCache, compiled_create_block_mask, document_mask,
-                   flops_per_token, generate)
+from model import (EOT, GPT, GRANULARITY_SHAPES, GPTConfig, KVCache, compiled, document_mask, flops_per_token,
+                   generate, triton_available)
 from train import ALL_DEFAULTS, MODEL_KEYS
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
@@ -353,16 +353,15 @@ def test_eager_flex_mask_is_one_compiled_graph_on_the_inputs_device(fresh_dynamo
     """Called eagerly (compile=False on CUDA), document_mask builds its BlockMask with the compiled
     create_block_mask, exactly as on CUDA: one graph for 20 layouts, the mask of the dense path, skipping the
     blocks without a key, and idx's device given (create_block_mask's default is the current accelerator)."""
-    devices = []
-    monkeypatch.setattr("model.compiled_create_block_mask",
-                        lambda *a, **k: devices.append(k["device"]) or compiled_create_block_mask(*a, **k))
+    calls, build = [], compiled(create_block_mask)
+    monkeypatch.setattr("model.compiled", lambda fn: lambda *a, **k: calls.append((fn, k["device"])) or build(*a, **k))
     config = variant("dyn_exo", vocab_size=50304, block_size=256)
     for idx in layouts(config, 20):
         mask, dense = document_mask(idx, flex=True), document_mask(idx, flex=False)
         assert torch.equal(create_mask(mask.mask_mod, 2, 1, 256, 256, idx.device), dense)
         blocks = dense.view(2, 1, 2, 128, 2, 128).any(5).any(3)  # blocks of 128 (the default) that hold a key
         assert torch.equal(mask.kv_num_blocks + mask.full_kv_num_blocks, blocks.sum(-1, dtype=torch.int32))
-    assert devices == [idx.device] * 20 and compiled_graphs() == 1
+    assert calls == [(create_block_mask, idx.device)] * 20 and compiled_graphs() == 1
 
 
 def test_compiled_flex_forward_is_one_graph_for_every_layout(fresh_dynamo):
@@ -379,6 +378,16 @@ def test_compiled_flex_forward_is_one_graph_for_every_layout(fresh_dynamo):
             dense = model.features(idx, mask=document_mask(idx, flex=False))
             torch.testing.assert_close(compiled(idx, doc_mask=True), dense, rtol=1e-5, atol=1e-5)
     assert compiled_graphs() == 1
+
+
+def test_import_loads_no_compiler_and_triton_available_is_a_constant_of_the_graph():
+    """`import train` loads no dynamo (model.py compiles on first use: every process start would pay ~2 CPU-s), and
+    triton_available, asked inside a compiled graph (the CUDA document mask), is a constant there: no graph break."""
+    code = "import sys, train; print(sorted(m for m in ('torch._dynamo', 'torch._inductor') if m in sys.modules))"
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 0 and r.stdout.strip() == "[]", r.stdout + r.stderr[-3000:]
+    asked = torch.compile(lambda x: x + triton_available(), fullgraph=True, backend="eager")
+    assert asked(torch.zeros(1)).item() == triton_available()
 
 
 # ---------------------------------------------------------------- equivalences on shared weights
