@@ -241,6 +241,7 @@ def reference_logits(model, idx):
     return rms(h, P["ln_f.weight"]) @ P["lm_head.weight"].T
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("name,config", VARIANTS, ids=VARIANT_IDS)
 def test_matches_reference_implementation(name, config):
     model = randomize(GPT(config))
@@ -251,6 +252,7 @@ def test_matches_reference_implementation(name, config):
 
 # ---------------------------------------------------------------- causality
 
+@pytest.mark.quick
 @pytest.mark.parametrize("name,config", VARIANTS, ids=VARIANT_IDS)
 def test_causal(name, config):
     model = randomize(GPT(config)).eval()
@@ -278,6 +280,7 @@ def packed(config, starts, B=2, seed=0):
     return idx
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("name", FAMILIES)
 def test_doc_mask_equals_each_document_run_alone(name):
     model = randomize(GPT(variant(name, vocab_size=50304))).eval()
@@ -473,6 +476,7 @@ def test_anchor_removal_equals_zero_lambda_1(name):
 
 # ---------------------------------------------------------------- training signal
 
+@pytest.mark.quick
 @pytest.mark.parametrize("name,config", VARIANTS, ids=VARIANT_IDS)
 def test_every_parameter_gets_gradient_after_three_steps(name, config):
     """Zero-init lm_head, then c_proj/fc2, then the dynamic MLP's output layer, each hold back the
@@ -495,6 +499,7 @@ def test_every_parameter_gets_gradient_after_three_steps(name, config):
     assert [n for n, ok in seen.items() if not ok] == frozen
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("name,config", VARIANTS, ids=VARIANT_IDS)
 def test_tiny_model_fits_a_fixed_batch(name, config):
     torch.manual_seed(0)
@@ -511,6 +516,7 @@ def test_tiny_model_fits_a_fixed_batch(name, config):
     assert losses[-1] < 0.5 * losses[0], losses
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("chunk", [7, 2048])  # uneven chunks, and one chunk for all 62 tokens
 def test_loss_and_its_gradients_equal_those_of_the_whole_logits(chunk):
     """The chunked loss, differentiated during the forward pass, against autograd on the whole logits:
@@ -578,6 +584,7 @@ def test_compiled_training_step_matches_eager(name, doc_mask, fresh_dynamo):
         torch.testing.assert_close(p.grad, g, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("name", ["dyn_exo", "nuresformer_h", "resformer"])
 def test_state_dict_round_trip(name):
     model = randomize(GPT(variant(name)))
@@ -681,6 +688,7 @@ def test_activation_checkpointing_keeps_less_for_backward():
 
 # ---------------------------------------------------------------- bad input
 
+@pytest.mark.quick
 @pytest.mark.parametrize("kwargs,words", [
     (dict(anchor="external"), ["anchor", "'none'", "'internal'", "'exo'"]),
     (dict(anchor="exo", mix="qkvg", gate=True, granularity="channel"),
