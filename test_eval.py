@@ -410,7 +410,7 @@ class FakeAPI:
 
         self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.server.server_port}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        threading.Thread(target=self.server.serve_forever, kwargs=dict(poll_interval=0.05), daemon=True).start()
 
     def stop(self):
         self.server.shutdown()
