@@ -371,9 +371,10 @@ def test_a_lost_node_requeues_the_job_which_redoes_the_steps_since_the_last_chec
                                                                                      tmp_path):
     out = str(tmp_path / "run")
     job = cluster.submit(["--ntasks=2"], args(toy_shards, out), tmp_path / "job.out")
-    wait_for_step(out, 13, job)  # past the periodic checkpoints of steps 5 and 10 (ckpt_interval=5)
-    lost = cluster.processes(job.id) | {cluster.slurmd.pid}
+    wait_for_step(out, 1, job)
+    lost = cluster.processes(job.id) | {cluster.slurmd.pid}  # found now: a look through /proc takes a few steps' time
     assert len(ranks(lost)) == 2
+    wait_for_step(out, 11, job)  # past the periodic checkpoints of steps 5 and 10 (ckpt_interval=5), 4 steps before 15
     kill_at_once(lost)  # the node dies (else the script could see srun die, and report it: the job would fail)
     cluster.slurmd.wait()
     logged = [e["step"] for e in read_log(out)][-1]
