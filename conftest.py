@@ -1,5 +1,6 @@
 """Shared test fixtures: a small GPT-2-style tokenizer built here (fast to load, with few enough ids for tiny
-models), a closed network, and what tests that need root or Debian's packages do without them."""
+models), a closed network, what tests that need root or Debian's packages do without them, and the toy shards and
+the unbroken 2-process run that several modules' training tests share, made once per session."""
 import base64
 import os
 
@@ -77,3 +78,40 @@ def closed_network():
         works = False
     needs(None if works else "closing the network needs unshare -n, which needs root")
     return ["unshare", "-n"]
+
+
+# ----------------------------------------------------------------------------- shared by the training tests
+
+TOY_VOCAB = 256  # the toy language's ids: a model of 256 ids trains in well under a second per step on a CPU
+
+
+def write_toy_shards(d):
+    """Shards of a learnable toy language in folder d: 40 random 'sentences' of 12 tokens, each opened by token 0,
+    drawn at random (test_train's data_dir, byte for byte)."""
+    import numpy as np
+    from data import write_shard
+    rng = np.random.default_rng(0)
+    sentences = rng.integers(1, TOY_VOCAB, size=(40, 12))
+    tokens = np.concatenate([np.concatenate([[0], sentences[i]]) for i in rng.integers(0, 40, size=3000)])
+    write_shard(d / "toy_val_000000.bin", tokens[:4000])
+    write_shard(d / "toy_train_000001.bin", tokens[4000:22000])
+    write_shard(d / "toy_train_000002.bin", tokens[22000:])
+    return str(d)
+
+
+@pytest.fixture(scope="session")
+def toy_shards(tmp_path_factory):
+    """The toy shards, written once for every module (tests only read them)."""
+    return write_toy_shards(tmp_path_factory.mktemp("toy_shards"))
+
+
+@pytest.fixture(scope="session")
+def unbroken(toy_shards, tmp_path_factory):
+    """The run of 2 processes under torchrun (test_faults.args: 40 steps, a checkpoint every 5, and a branch point at
+    step 16) that every run broken by a fault, on one host, two or a Slurm node, must end up equal to; made once for
+    every module that compares with it, and only read."""
+    from test_faults import TORCHRUN, args, run  # the fault tests' command and settings, whose runs it anchors
+    out = str(tmp_path_factory.mktemp("unbroken"))
+    code, _, err = run(TORCHRUN + ["train.py", *args(toy_shards, out, "--keep_full=16")])
+    assert code == 0, err[-3000:]
+    return out

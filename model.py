@@ -355,13 +355,12 @@ def document_mask(idx, flex=None):
     if (idx.is_cuda and triton_available()) if flex is None else flex:
         # traced with the model when it is compiled; eagerly, the compiled mask build (its device given: the
         # default is the current accelerator, whatever idx's device is)
-        build = create_block_mask if torch.compiler.is_compiling() else compiled_create_block_mask
+        build = create_block_mask if torch.compiler.is_compiling() else compiled(create_block_mask)
         return build(lambda b, h, q, k: (q >= k) & (doc[b, q] == doc[b, k]), B, None, T, T, device=idx.device)
     causal = torch.ones(T, T, dtype=torch.bool, device=idx.device).tril()
     return (causal & (doc[:, :, None] == doc[:, None, :]))[:, None]
 
 
-@torch.compiler.assume_constant_result  # asked once while tracing, a constant of the graph: no graph break
 def triton_available():
     """Whether FlexAttention's kernels can be built: Triton installed and a GPU it supports, sm70+ (torch's own
     check, the one inductor makes). Without it, document masks on CUDA are dense SDPA masks."""
@@ -369,11 +368,23 @@ def triton_available():
     return has_triton()
 
 
+# Asked once while tracing, a constant of the graph: no graph break. This is the mark that
+# @torch.compiler.assume_constant_result sets, set here without the decorator, which imports dynamo: 0.5 CPU-s
+# at every `import model` (test_model.py checks both)
+triton_available._dynamo_marked_constant = True
+
+
 # FlexAttention and its mask build are fast only when compiled (eager, they materialise the (T, T) scores and
 # mask): inside a compiled model dynamo traces and fuses the plain functions; called eagerly, these compiled
-# copies run instead, compiled once and reused per batch
-compiled_create_block_mask = torch.compile(create_block_mask)
-compiled_flex_attention = torch.compile(flex_attention, dynamic=False)
+# copies run instead, compiled once and reused per batch. Made on first use: torch.compile imports dynamo and
+# inductor, 1.2 CPU-s that every process without a BlockMask would pay at import
+COMPILED = {}  # function -> its compiled copy
+
+
+def compiled(fn, **options):
+    if fn not in COMPILED:
+        COMPILED[fn] = torch.compile(fn, **options)
+    return COMPILED[fn]
 
 
 def attention(q, k, v, mask, causal=True):
@@ -383,7 +394,7 @@ def attention(q, k, v, mask, causal=True):
         return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
     if isinstance(mask, BlockMask):
         eager_cuda = q.is_cuda and not torch.compiler.is_compiling()
-        return (compiled_flex_attention if eager_cuda else flex_attention)(q, k, v, block_mask=mask)
+        return (compiled(flex_attention, dynamic=False) if eager_cuda else flex_attention)(q, k, v, block_mask=mask)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 

@@ -3,6 +3,7 @@ import pytest
 
 from configurator import help_text, key_comments, load_config, read_args
 
+pytestmark = pytest.mark.quick  # the config and command-line checks, every one
 DEFAULTS = dict(n_layer=12, lr=0.01, compile=True, anchor="none", out_dir="out")
 
 

@@ -410,7 +410,7 @@ def test_unreachable_host_fails_at_once_with_the_offline_hint(src, url, hint, cl
 
 # ----------------------------------------------------------------------------- end to end
 
-def test_eval_py_scores_a_converted_file(tmp_path, enc_file):
+def test_eval_py_scores_a_converted_file(tmp_path, enc_file, capsys):
     src = write(their_checkpoint(random_model(**EXO, granularity="elementwise", anchor_norm=True, dynamic=True),
                                  "model4", "_orig_mod."), tmp_path / "ckpt_step:38146.pt")
     out = tmp_path / "authors_dyn_exo" / "ckpt.pt"
@@ -419,11 +419,11 @@ def test_eval_py_scores_a_converted_file(tmp_path, enc_file):
     assert r.returncode == 0, r.stderr
     assert "authors' checkpoint: Dynamic E-ExoFormer" in r.stdout and f"wrote {out}" in r.stdout
     small_data(str(tmp_path / "data"))
-    r = subprocess.run([sys.executable, "eval.py", str(out), "--tokenizer", str(enc_file), "--data_dir",
-                        str(tmp_path / "data"), "--base_url", "http://127.0.0.1:9", "--limit", "3", "--tasks",
-                        "arc_easy,winogrande", "--device", "cpu"], cwd=HERE, capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr
-    assert "average" in r.stdout and "requests/s" in r.stdout
+    capsys.readouterr()
+    ev.main([str(out), "--tokenizer", str(enc_file), "--data_dir", str(tmp_path / "data"), "--base_url",
+             "http://127.0.0.1:9", "--limit", "3", "--tasks", "arc_easy,winogrande", "--device", "cpu"])
+    printed = capsys.readouterr().out  # in this process: eval.py's command runs as a process in test_eval.py
+    assert "average" in printed and "requests/s" in printed
 
 
 def test_export_of_our_checkpoint_is_weights_only(data_dir, tmp_path, enc_file, capsys):

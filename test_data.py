@@ -127,6 +127,7 @@ def stream(tmp_path):
     return tmp_path
 
 
+@pytest.mark.quick
 def test_batches_are_the_exact_windows(stream):
     loader = DataLoader(stream, batch_size=2, block_size=4, vocab_size=5000)
     x, y = loader.next_batch()
@@ -185,6 +186,7 @@ def test_accumulation_matches_ranks_inside_a_shard(stream):
             assert (x == xr).all() and (y == yr).all()
 
 
+@pytest.mark.quick
 def test_resume_continues_with_the_next_batch(stream):
     loader = DataLoader(stream, batch_size=2, block_size=4, vocab_size=5000)
     for _ in range(10):

@@ -7,8 +7,6 @@ lm-eval is optional: without it these tests are skipped, except in CI (.ci/run i
 """
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -24,7 +22,6 @@ if os.environ.get("CI"):
 else:
     pytest.importorskip("lm_eval")
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 HARNESS_YAML = {"arc_easy": "arc/arc_easy.yaml", "arc_challenge": "arc/arc_challenge.yaml",
                 "hellaswag": "hellaswag/hellaswag.yaml", "openbookqa": "openbookqa/openbookqa.yaml",
                 "piqa": "piqa/piqa.yaml", "winogrande": "winogrande/default.yaml"}  # in lm_eval/tasks/
@@ -180,16 +177,17 @@ def test_generate_until_stops_at_the_stop_sequence(tiny, enc_file, monkeypatch):
     assert sampled[0] != full
 
 
-def test_cli_runs_harness_tasks_and_writes_their_results(harness, tiny, enc, enc_file, tmp_path):
+def test_cli_runs_harness_tasks_and_writes_their_results(harness, tiny, enc, enc_file, tmp_path, monkeypatch, capsys):
+    """eval.py's command line with --harness, run in this process, where the harness is imported already (eval.py's
+    own command runs as a process in test_eval.py)."""
     _, _, root = harness
     ckpt, model = tiny
-    env = {**os.environ, **offline_env(root / "hf")}
+    for k, v in offline_env(root / "hf").items():
+        monkeypatch.setenv(k, v)
     out = tmp_path / "harness.json"
-    r = subprocess.run([sys.executable, "eval.py", ckpt, "--harness", "arc_easy_local,piqa_local", "--include_path",
-                        str(root / "tasks"), "--limit", "7", "--shots", "2", "--tokenizer", str(enc_file), "--out",
-                        str(out), "--device", "cpu"], cwd=HERE, capture_output=True, text=True, env=env)
-    assert r.returncode == 0, r.stderr[-3000:]
-    table = [line for line in r.stdout.splitlines() if line.startswith("|")]
+    ev.main([ckpt, "--harness", "arc_easy_local,piqa_local", "--include_path", str(root / "tasks"), "--limit", "7",
+             "--shots", "2", "--tokenizer", str(enc_file), "--out", str(out), "--device", "cpu"])
+    table = [line for line in capsys.readouterr().out.splitlines() if line.startswith("|")]
     assert table[0].split("|")[1].strip() == "Tasks" and len(table) == 6  # header, rule, 2 tasks x (acc, acc_norm)
     results = json.loads(out.read_text())
     assert results["n-shot"] == {"arc_easy_local": 2, "piqa_local": 2} and "samples" not in results

@@ -1,7 +1,7 @@
 """docs/LONG_RUNS.md's multi-node torchrun across two hosts: two network namespaces joined by a veth pair, one
 process per host, c10d rendezvous, gloo on the veth. A worker killed on one host under --max-restarts restarts the
 group on both hosts; a lost host (its agent and worker killed at once) started again continues from the last
-checkpoint; each run ends bit for bit as test_faults' unbroken run of 2 processes on one host. The namespaces share
+checkpoint; each run ends bit for bit as the unbroken run of 2 processes on one host (conftest's). The namespaces share
 the hostname and /etc/hosts, so each host is told its address (--local_addr), the rendezvous host that it holds the
 store (--rdzv_conf=is_host=1), and gloo its interface (GLOO_SOCKET_IFNAME); every restart gets a store of its own
 (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1). Needs root, iproute2 and a network namespace that `ip netns add` can make:
@@ -19,8 +19,7 @@ import pytest
 from checkpoint import load_checkpoint
 from conftest import needs
 from test_faults import LIMIT, args, finish, kill_at_once, start, wait_for_step, workers
-from test_faults import unbroken  # noqa: F401  (a fixture: the unbroken run of 2 processes)
-from test_train import assert_same_run, data_dir, read_log  # noqa: F401  (data_dir: the toy shards fixture)
+from test_train import assert_same_run, read_log
 
 
 def namespace_made():
@@ -46,6 +45,9 @@ PORT = 29500  # torchrun's default rendezvous port: free in a namespace of the t
 # Each rendezvous round a store of its own, which rank 0 holds (docs/LONG_RUNS.md): torch 2.13's shared one keeps its
 # first round's address, which a host started again waits for in vain, and lets the hosts count restarts differently
 FRESH_STORE = ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"]
+# A host that stops sending its heartbeat to the rendezvous is dropped after 3 missed ones: every 1 s here, not
+# torchrun's 5 s, so that a lost host started again joins the next round after 3 s, not 15
+KEEP_ALIVE = "keep_alive_interval=1,keep_alive_max_attempt=3"
 
 
 class Host:
@@ -57,7 +59,7 @@ class Host:
     def torchrun(self, *extra):
         """docs/LONG_RUNS.md's multi-node command, run on this host (one process), with what a host of a shared
         hostname must be told: its address, and gloo's interface; the first host holds the rendezvous."""
-        holds = [f"--rdzv_conf=is_host={int(self.addr == f'{NET}.1')}"]
+        holds = [f"--rdzv_conf=is_host={int(self.addr == f'{NET}.1')},{KEEP_ALIVE}"]
         env = [f"GLOO_SOCKET_IFNAME={self.interface}", *FRESH_STORE]
         return ["ip", "netns", "exec", self.name, "env", *env, sys.executable, "-m", "torch.distributed.run",
                 "--nnodes=2", "--nproc_per_node=1", "--rdzv_backend=c10d", f"--rdzv_endpoint={NET}.1:{PORT}",
@@ -105,9 +107,9 @@ def wait_for_starts(out, n, proc):
     raise AssertionError(f"{out}: {n} starts never logged")
 
 
-def test_a_worker_killed_on_one_host_restarts_the_group_on_both_hosts(hosts, data_dir, unbroken, tmp_path):
+def test_a_worker_killed_on_one_host_restarts_the_group_on_both_hosts(hosts, toy_shards, unbroken, tmp_path):
     out = str(tmp_path / "run")
-    agents = [start(h.torchrun("--max-restarts=1", "train.py", *args(data_dir, out))) for h in hosts]
+    agents = [start(h.torchrun("--max-restarts=1", "train.py", *args(toy_shards, out))) for h in hosts]
     try:
         wait_for_step(out, 12, agents[0])  # past the checkpoints of steps 5 and 10
         before = [workers(a) for a in agents]
@@ -130,9 +132,10 @@ def test_a_worker_killed_on_one_host_restarts_the_group_on_both_hosts(hosts, dat
     print(f"killed worker: both hosts restarted, from the checkpoint of step {restarts[1]}")
 
 
-def test_a_lost_host_started_again_continues_the_run_from_the_last_checkpoint(hosts, data_dir, unbroken, tmp_path):
+def test_a_lost_host_started_again_continues_the_run_from_the_last_checkpoint(hosts, toy_shards, unbroken,
+                                                                               tmp_path):
     out = str(tmp_path / "run")
-    command = [h.torchrun("--max-restarts=1", "train.py", *args(data_dir, out)) for h in hosts]
+    command = [h.torchrun("--max-restarts=1", "train.py", *args(toy_shards, out)) for h in hosts]
     agents = [start(c) for c in command]
     try:
         wait_for_step(out, 12, agents[0])

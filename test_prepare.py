@@ -259,24 +259,26 @@ def test_unreachable_host_fails_at_once_with_the_offline_hint(where, closed_url,
     assert os.listdir(out) == []
 
 
-def test_download_cli(server, tmp_path):
+def test_download_cli(server, tmp_path, capsys):
+    """The command, as a process; then again, and once more with a file gone from the server, in this process."""
     files = publish(server, 2)
     out = tmp_path / "shards"
-    cmd = [sys.executable, os.path.join(HERE, "prepare.py"), "--data_dir", str(out),
-           "--train_shards", "2", "--workers", "2", "--base_url", server.url]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    argv = ["--data_dir", str(out), "--train_shards", "2", "--workers", "2", "--base_url", server.url]
+    r = subprocess.run([sys.executable, os.path.join(HERE, "prepare.py"), *argv], capture_output=True, text=True,
+                       timeout=120)
     assert r.returncode == 0, r.stderr
     assert "downloaded 3 files" in r.stdout
     assert_same_files(out, files)
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)  # second run: nothing to do
-    assert r.returncode == 0 and "downloaded 0 files" in r.stdout and "3 already present" in r.stdout
+    prepare.main(argv)  # second run: nothing to do
+    printed = capsys.readouterr().out
+    assert "downloaded 0 files" in printed and "3 already present" in printed
     assert len(server.log) == 3
     del server.files["finewebedu_train_000002.bin"]
     (out / "finewebedu_train_000002.bin").unlink()
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-    assert r.returncode == 1
-    assert r.stderr.strip().splitlines()[-1] == (f"prepare.py: error: {server.url}/finewebedu_train_000002.bin: "
-                                                 f"HTTP 404 Not Found (no such file; check --base_url)")
+    with pytest.raises(SystemExit) as e:
+        prepare.main(argv)
+    assert str(e.value) == (f"prepare.py: error: {server.url}/finewebedu_train_000002.bin: "
+                            f"HTTP 404 Not Found (no such file; check --base_url)")
 
 
 # ---------------------------------------------------------------- tokenisation
@@ -358,9 +360,9 @@ def test_tokenize_cli(inputs, tmp_path, enc, enc_file):
     assert last.startswith(f"46 documents, {len(expected):,} tokens (30 val, ") and last.count("tokens/s") == 1
     assert read_tokens(out / "tiny_val_000000.bin") == expected[:30]
     assert read_tokens(out / "tiny_train_000001.bin") == expected[30:1030]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)  # refuses to overwrite
-    assert r.returncode == 1 and "already holds tiny_*.bin shards" in r.stderr
-    assert len(r.stderr.strip().splitlines()) == 1
+    with pytest.raises(SystemExit) as e:  # refuses to overwrite (in this process)
+        prepare.main(cmd[2:])
+    assert "already holds tiny_*.bin shards" in str(e.value) and "\n" not in str(e.value)
 
 
 def _bad_input(tmp_path, kind):

@@ -23,9 +23,8 @@ import sweep
 from checkpoint import load_checkpoint
 from conftest import needs
 from test_faults import ENV, LIMIT, args, environ, kill_at_once, ranks, wait_for_step
-from test_faults import unbroken  # noqa: F401  (a fixture: the unbroken run of 2 processes)
 from test_sweep import sweep_cmd
-from test_train import ROOT, assert_same_run, data_dir, read_log  # noqa: F401  (data_dir: the toy shards fixture)
+from test_train import ROOT, assert_same_run, read_log
 
 DAEMONS = "/usr/sbin"  # where Debian's munge and slurm-wlm put munged, slurmctld and slurmd
 COMMANDS = ("sbatch", "squeue", "scontrol", "scancel", "sinfo")
@@ -50,6 +49,7 @@ SlurmdPidFile={root}/slurmd.pid
 SlurmctldLogFile={root}/slurmctld.log
 SlurmdLogFile={root}/slurmd.log
 SlurmdParameters=config_overrides
+BatchStartTimeout=2
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 SelectType=select/cons_tres
@@ -62,9 +62,10 @@ NodeName=localhost NodeAddr=127.0.0.1 CPUs=2
 PartitionName=test Nodes=localhost Default=YES MaxTime=INFINITE State=UP
 """
 ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE")
-# Slurm counts a batch job missing from its node only once it is older than BatchStartTimeout + MessageTimeout
-# (slurm.conf's defaults: 10 s each); a slurmd that comes back sooner reports no job, and the job stays RUNNING
-MISSING_AFTER = 10 + 10
+# Slurm counts a batch job missing from its node only once it is older than BatchStartTimeout + MessageTimeout (CONF's
+# 2 s, the time slurmd may take to start a batch script; slurm.conf's default 10 s); a slurmd that comes back sooner
+# reports no job, and the job stays RUNNING
+MISSING_AFTER = 2 + 10
 
 
 def free_ports(n):
@@ -278,10 +279,10 @@ def test_the_script_is_the_one_docs_long_runs_shows():
     assert "gpu" not in "".join(line for line in script.splitlines() if line.startswith("#SBATCH")).lower()
 
 
-def test_preempted_the_job_stops_at_one_step_requeues_itself_and_ends_as_an_unbroken_run(cluster, data_dir, unbroken,
+def test_preempted_the_job_stops_at_one_step_requeues_itself_and_ends_as_an_unbroken_run(cluster, toy_shards, unbroken,
                                                                                          tmp_path):
     out = str(tmp_path / "run")
-    job = cluster.submit(["--ntasks=2"], args(data_dir, out), tmp_path / "job.out")
+    job = cluster.submit(["--ntasks=2"], args(toy_shards, out), tmp_path / "job.out")
     wait_for_step(out, 3, job)
     cluster.run("scancel", "--signal=USR1", job.id)  # a preemption with a warning: to the tasks, not the script
     fields = job.finish()
@@ -297,28 +298,32 @@ def test_preempted_the_job_stops_at_one_step_requeues_itself_and_ends_as_an_unbr
     print(f"preempted: both ranks stopped after step {step}; the requeued job went on from step {step}")
 
 
-def test_near_its_time_limit_the_job_stops_with_a_checkpoint_and_continues_when_requeued(cluster, data_dir, unbroken,
+def test_near_its_time_limit_the_job_stops_with_a_checkpoint_and_continues_when_requeued(cluster, toy_shards, unbroken,
                                                                                       tmp_path):
-    """--time=2 with --signal=USR1@60: Slurm checks time limits every 30 s, so the warning comes 30 to 60 s into the
-    job (the man page allows up to a minute early), at least a minute before the limit. A few dozen steps take less
-    than that: the test holds the ranks (SIGSTOP) at step 3 until the warning reaches them (slurmstepd sends SIGCONT
-    with it; the test does, if it does not, once the warning waits in both). The requeued job gets 10 minutes, so that
-    its own warning cannot come, on a loaded machine, while the finished run exits."""
+    """--signal=USR1@60 and a time limit 10 minutes off; the test holds the ranks (SIGSTOP) at step 3, so that the few
+    dozen steps cannot end first, then brings the limit near: Slurm checks time limits every 30 s, warns up to 30 s
+    earlier than asked and ends the job at the first check past the limit (slurmstepd sends SIGCONT with the warning;
+    the test does, if it does not, once the warning waits in both). The requeued job gets 10 minutes, so that its own
+    warning cannot come, on a loaded machine, while the finished run exits."""
     out = str(tmp_path / "run")
-    job = cluster.submit(["--ntasks=2", "--time=2", "--signal=USR1@60"], args(data_dir, out), tmp_path / "job.out")
+    job = cluster.submit(["--ntasks=2", "--time=10", "--signal=USR1@60"], args(toy_shards, out), tmp_path / "job.out")
     wait_for_step(out, 3, job)
     workers = list(job.workers().values())
     assert len(workers) == 2
     for pid in workers:
         os.kill(pid, signal.SIGSTOP)
-    held = time.time()
     try:
         while not all(stopped(pid) for pid in workers):  # the signal takes effect a moment later
             time.sleep(0.01)
+        # the limit 35 to 95 s away (whole minutes from the job's start): the next check, at most 30 s off, cannot end
+        # the job, and warns it (from 90 s before the limit), or the one after it does
+        minutes = int((time.time() - started(job) + 35) // 60) + 1
+        cluster.run("scontrol", "update", f"JobId={job.id}", f"TimeLimit={minutes}")
+        near = time.time()
         while all(stopped(pid) for pid in workers) and not all(pending(pid, signal.SIGUSR1) for pid in workers):
-            assert time.time() < held + 120, f"no SIGUSR1 from Slurm: {job.show()}"
+            assert time.time() < near + 75, f"no SIGUSR1 from Slurm: {job.show()}"
             time.sleep(0.2)
-        held, warned = time.time() - held, time.time() - started(job)
+        warned = time.time() - near
     finally:
         for pid in workers:
             with contextlib.suppress(ProcessLookupError):
@@ -335,8 +340,8 @@ def test_near_its_time_limit_the_job_stops_with_a_checkpoint_and_continues_when_
     assert len(stops(text)) == 2 and why == "SIGUSR1" and 3 <= step < 40, text[-3000:]
     assert starts(text) == [(0, list(range(1, step + 1))), (step, list(range(step + 1, 41)))]
     assert_same_run(unbroken, out)
-    print(f"time limit: the warning came {warned:.0f} s into the job (held {held:.0f} s at step 3); both "
-          f"ranks stopped after step {step}, and the requeued job went on from step {step}")
+    print(f"time limit: the warning came {warned:.0f} s after the limit was brought near; both ranks stopped after "
+          f"step {step}, and the requeued job went on from step {step}")
 
 
 def started(job):
@@ -362,13 +367,14 @@ def pending(pid, signum):
     return bool(int(status(pid).get("ShdPnd", "0"), 16) >> (signum - 1) & 1)
 
 
-def test_a_lost_node_requeues_the_job_which_redoes_the_steps_since_the_last_checkpoint(cluster, data_dir, unbroken,
+def test_a_lost_node_requeues_the_job_which_redoes_the_steps_since_the_last_checkpoint(cluster, toy_shards, unbroken,
                                                                                      tmp_path):
     out = str(tmp_path / "run")
-    job = cluster.submit(["--ntasks=2"], args(data_dir, out), tmp_path / "job.out")
-    wait_for_step(out, 13, job)  # past the periodic checkpoints of steps 5 and 10 (ckpt_interval=5)
-    lost = cluster.processes(job.id) | {cluster.slurmd.pid}
+    job = cluster.submit(["--ntasks=2"], args(toy_shards, out), tmp_path / "job.out")
+    wait_for_step(out, 1, job)
+    lost = cluster.processes(job.id) | {cluster.slurmd.pid}  # found now: a look through /proc takes a few steps' time
     assert len(ranks(lost)) == 2
+    wait_for_step(out, 11, job)  # past the periodic checkpoints of steps 5 and 10 (ckpt_interval=5), 4 steps before 15
     kill_at_once(lost)  # the node dies (else the script could see srun die, and report it: the job would fail)
     cluster.slurmd.wait()
     logged = [e["step"] for e in read_log(out)][-1]
@@ -394,13 +400,13 @@ def test_a_lost_node_requeues_the_job_which_redoes_the_steps_since_the_last_chec
 
 # ----------------------------------------------------------------------------- sweep.py --slurm
 
-def test_a_sweep_submitted_to_slurm_equals_the_same_sweep_run_here(cluster, data_dir, tmp_path, monkeypatch, capsys):
+def test_a_sweep_submitted_to_slurm_equals_the_same_sweep_run_here(cluster, toy_shards, tmp_path, monkeypatch, capsys):
     """2 variants x 1 seed, each with a budget of half its steps branched from it: 4 jobs, the branches after their
     full runs. Submitted held (an sbatch option of the user's), so that the test sees them queued."""
     for key, value in {**cluster.env, "OMP_NUM_THREADS": sweep.slots(2)[0]["OMP_NUM_THREADS"]}.items():
         monkeypatch.setenv(key, value)  # sbatch exports it to the jobs: their threads are those of a local run's
     there, here = str(tmp_path / "slurm"), str(tmp_path / "here")
-    submit = sweep_cmd(data_dir, there, "--seeds=0", "--budgets=0.5,1", "--slurm", "--sbatch=--hold")[2:]
+    submit = sweep_cmd(toy_shards, there, "--seeds=0", "--budgets=0.5,1", "--slurm", "--sbatch=--hold")[2:]
 
     def run(argv):
         sweep.main(argv)
@@ -427,7 +433,7 @@ def test_a_sweep_submitted_to_slurm_equals_the_same_sweep_run_here(cluster, data
         assert Job(cluster, job, None).finish()["JobState"] == "COMPLETED"
     lines = run(submit)  # all finished: the report, as a local sweep ends
     assert lines[:4] == [f"skip {name}: finished (step {12 if name in full else 6})" for name in jobs], lines
-    run(sweep_cmd(data_dir, here, "--seeds=0", "--budgets=0.5,1", "--parallel=2")[2:])
+    run(sweep_cmd(toy_shards, here, "--seeds=0", "--budgets=0.5,1", "--parallel=2")[2:])
     with open(os.path.join(there, "report.json")) as a, open(os.path.join(here, "report.json")) as b:
         assert json.load(a) == json.load(b)
     for name in jobs:
