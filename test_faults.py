@@ -113,15 +113,6 @@ def wait_for_step(out, step, proc):
     raise AssertionError(f"{out}: step {step} never logged")
 
 
-@pytest.fixture(scope="module")
-def unbroken(data_dir, tmp_path_factory):
-    """The 2-process run that the broken ones must end up equal to."""
-    out = str(tmp_path_factory.mktemp("unbroken"))
-    code, _, err = run(TORCHRUN + ["train.py", *args(data_dir, out, "--keep_full=16")])  # a branch point too
-    assert code == 0, err[-3000:]
-    return out
-
-
 # ----------------------------------------------------------------------------- a stop signal
 
 def test_sigterm_to_rank_0_only_stops_both_ranks_at_one_step_and_auto_finishes_the_run(data_dir, unbroken, tmp_path):
@@ -168,6 +159,7 @@ def test_a_stop_signal_as_a_finished_run_exits_does_not_fail_it(data_dir, tmp_pa
     assert r[0] == 0, r[2][-3000:]
 
 
+@pytest.mark.quick
 def test_a_stop_at_an_evaluation_step_leaves_the_evaluation_to_the_resumed_run(data_dir, tmp_path, monkeypatch):
     common = SMALL + [f"--data_dir={data_dir}", "--max_steps=6", "--eval_interval=3", "--init_from=auto"]
     straight, stopped = str(tmp_path / "straight"), str(tmp_path / "stopped")
@@ -252,6 +244,7 @@ def test_a_hung_worker_fails_the_other_within_the_timeout(data_dir, tmp_path):
 
 # ----------------------------------------------------------------------------- a full disk
 
+@pytest.mark.quick
 def test_a_full_disk_during_a_checkpoint_write_keeps_the_previous_one(data_dir, tmp_path, monkeypatch):
     common = SMALL + [f"--data_dir={data_dir}", "--max_steps=6", "--ckpt_interval=2", "--init_from=auto"]
     straight, out = str(tmp_path / "straight"), str(tmp_path / "full")

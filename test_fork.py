@@ -95,6 +95,7 @@ def stopped_and_unbroken(train, args, tmp_path, monkeypatch):
     return unbroken, resumed
 
 
+@pytest.mark.quick
 def test_every_recipe_applies_and_touches_one_file():
     """Six recipes; each changes one file, the one its section names."""
     found = recipes()

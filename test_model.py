@@ -383,12 +383,9 @@ def test_compiled_flex_forward_is_one_graph_for_every_layout(fresh_dynamo):
     assert compiled_graphs() == 1
 
 
-def test_import_loads_no_compiler_and_triton_available_is_a_constant_of_the_graph():
-    """`import train` loads no dynamo (model.py compiles on first use: every process start would pay ~2 CPU-s), and
-    triton_available, asked inside a compiled graph (the CUDA document mask), is a constant there: no graph break."""
-    code = "import sys, train; print(sorted(m for m in ('torch._dynamo', 'torch._inductor') if m in sys.modules))"
-    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
-    assert r.returncode == 0 and r.stdout.strip() == "[]", r.stdout + r.stderr[-3000:]
+def test_triton_available_is_a_constant_of_the_graph():
+    """triton_available, asked inside a compiled graph (the CUDA document mask), is a constant there: no graph break
+    (model.py marks it so without importing dynamo: test_train.py's import test checks that train loads none)."""
     asked = torch.compile(lambda x: x + triton_available(), fullgraph=True, backend="eager")
     assert asked(torch.zeros(1)).item() == triton_available()
 

@@ -182,12 +182,17 @@ def running(name):
 
 
 def test_a_sweep_stopped_in_its_third_run_and_started_again_redoes_nothing(data_dir, tmp_path):
+    """Seed 0 of both variants, then seed 1: the sweep killed in its third run (gated_s1), which stops at its next
+    step with a checkpoint, and started again: the finished runs are skipped, untouched; gated_s1 resumes and
+    dyn_exo_s1 starts, each ending bit for bit as the same run of a sweep never stopped (seed 1 alone: the same
+    commands, the same threads)."""
     straight, out = str(tmp_path / "straight"), str(tmp_path / "stopped")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    r = subprocess.run(sweep_cmd(data_dir, straight), cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    r = subprocess.run([c if c != "--seeds=0,1" else "--seeds=1" for c in sweep_cmd(data_dir, straight)], cwd=ROOT,
+                       env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
-    assert re.search(r"\[4/4\] done dyn_exo_s1 in \d+\.\d min \(CPU \d+\.\d min\)", r.stdout), r.stdout
-    assert "| Gated Attention | 2 |" in r.stdout
+    assert re.search(r"\[2/2\] done dyn_exo_s1 in \d+\.\d min \(CPU \d+\.\d min\)", r.stdout), r.stdout
+    assert "| Gated Attention | 1 |" in r.stdout
     proc = subprocess.Popen(sweep_cmd(data_dir, out, "--log_interval=1"), cwd=ROOT, env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
     third = os.path.join(out, "gated_s1", "log.jsonl")  # the order: seed 0 of both variants, then seed 1
@@ -200,13 +205,16 @@ def test_a_sweep_stopped_in_its_third_run_and_started_again_redoes_nothing(data_
         time.sleep(0.05)
     stopped_at = load_checkpoint(os.path.join(out, "gated_s1", "ckpt.pt"))["step"]
     assert 2 <= stopped_at < 12 and not os.path.exists(os.path.join(out, "dyn_exo_s1"))
+    finished = {f: os.stat(f).st_mtime_ns for run in ("gated_s0", "dyn_exo_s0") for f in (f"{out}/{run}/ckpt.pt",
+                                                                                        f"{out}/{run}/log.jsonl")}
     r = subprocess.run(sweep_cmd(data_dir, out), cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     lines = r.stdout.splitlines()
     assert "skip gated_s0: finished (step 12)" in lines and "skip dyn_exo_s0: finished (step 12)" in lines
     assert [line.split()[2] for line in lines if " start " in line] == ["gated_s1", "dyn_exo_s1"]
     assert f"resuming from {out}/gated_s1/ckpt.pt at step {stopped_at}" in open(f"{out}/gated_s1/train.out").read()
-    for run in ("gated_s0", "dyn_exo_s0", "gated_s1", "dyn_exo_s1"):
+    assert {f: os.stat(f).st_mtime_ns for f in finished} == finished
+    for run in ("gated_s1", "dyn_exo_s1"):
         a, b = load_checkpoint(f"{straight}/{run}/ckpt.pt"), load_checkpoint(f"{out}/{run}/ckpt.pt")
         assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"]), run
         assert read_log(f"{straight}/{run}")[-1]["val_loss"] == read_log(f"{out}/{run}")[-1]["val_loss"]
@@ -255,12 +263,26 @@ def test_a_sweep_killed_between_a_full_run_and_its_branch_resumes_without_redoin
             f"scratch instead") in r.stdout
 
 
-def test_print_gives_runnable_commands_and_bad_input_is_refused_before_any_run(data_dir, tmp_path):
+def sweep_main(argv, capsys):
+    """sweep.main(argv) in this process: (its exit status, stdout, stderr): --print and the refusals print, and only
+    the printed commands need a shell (the first of them runs in one below)."""
+    capsys.readouterr()
+    try:
+        sweep.main(argv)
+        code = 0
+    except SystemExit as e:  # argparse's status 2, or a one-line error (status 1)
+        code = e.code if isinstance(e.code, int) else 1
+        if not isinstance(e.code, int):
+            print(e.code, file=sys.stderr)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_print_gives_runnable_commands_and_bad_input_is_refused_before_any_run(data_dir, tmp_path, capsys):
     out = tmp_path / "sw"
-    r = subprocess.run(sweep_cmd(data_dir, out, "--print", "--budgets=0.5,1"), cwd=ROOT, capture_output=True,
-                       text=True, timeout=120)
-    lines = r.stdout.splitlines()  # 2 variants x 2 seeds: the full runs, then each branch after what it waits for
-    assert r.returncode == 0 and len(lines) == 4 + 2 * 4 and not out.exists(), r.stderr
+    code, stdout, err = sweep_main(sweep_cmd(data_dir, out, "--print", "--budgets=0.5,1")[2:], capsys)
+    lines = stdout.splitlines()  # 2 variants x 2 seeds: the full runs, then each branch after what it waits for
+    assert code == 0 and len(lines) == 4 + 2 * 4 and not out.exists(), err
     full, branch = lines[0], lines[5]
     assert full.endswith(f"--keep_full=5 --seed=0 --out_dir={out}/gated_s0 --init_from=auto")
     point = f"{out}/gated_s0/ckpt_000005_full.pt"  # the 6-step budget's schedule and the full run's part at step 5
@@ -270,8 +292,8 @@ def test_print_gives_runnable_commands_and_bad_input_is_refused_before_any_run(d
         r = subprocess.run(command, shell=True, cwd=ROOT, capture_output=True, text=True, timeout=300)
         assert r.returncode == 0, r.stderr[-2000:]
     assert load_checkpoint(f"{out}/gated_b0.5_s0/ckpt.pt")["step"] == 6
-    scratch = subprocess.run(sweep_cmd(data_dir, out, "--print", "--budgets=0.5,1", "--budgets_from_scratch"),
-                             cwd=ROOT, capture_output=True, text=True, timeout=120).stdout.splitlines()
+    scratch = sweep_main(sweep_cmd(data_dir, out, "--print", "--budgets=0.5,1", "--budgets_from_scratch")[2:],
+                         capsys)[1].splitlines()
     assert len(scratch) == 8 and not any("keep_full" in c or "# waits" in c for c in scratch)
     assert f"--out_dir={out}/gated_b0.5_s0 --init_from=auto" in scratch[1]
     for extra, message in [(["--n_layers=3"], "unknown key 'n_layers' (did you mean n_layer?)"),
@@ -282,14 +304,12 @@ def test_print_gives_runnable_commands_and_bad_input_is_refused_before_any_run(d
                             "--budgets_from_scratch runs it on its own"),
                            (["configs/nope.py"], "configs/nope.py: no config file configs/nope.py"),
                            (["--data_dir=/nonexistent"], "/nonexistent: data directory not found")]:
-        r = subprocess.run(sweep_cmd(data_dir, tmp_path / "bad", *extra), cwd=ROOT, capture_output=True, text=True,
-                           timeout=120)
-        assert r.returncode == 2 if extra[0].startswith(("--seed", "--budgets")) else r.returncode == 1
-        assert message in r.stderr.strip().splitlines()[-1] and not (tmp_path / "bad").exists(), r.stderr
+        code, _, err = sweep_main(sweep_cmd(data_dir, tmp_path / "bad", *extra)[2:], capsys)
+        assert code == 2 if extra[0].startswith(("--seed", "--budgets")) else code == 1
+        assert message in err.strip().splitlines()[-1] and not (tmp_path / "bad").exists(), err
     # the built-in corpus need not be there yet: each run's train.py builds it (once: data.ensure_corpus)
-    r = subprocess.run(sweep_cmd(tmp_path / "data" / "stdlib", out, "--print"), cwd=ROOT, capture_output=True,
-                       text=True, timeout=120)
-    assert r.returncode == 0 and f"--data_dir={tmp_path / 'data' / 'stdlib'}" in r.stdout, r.stderr
+    code, stdout, err = sweep_main(sweep_cmd(tmp_path / "data" / "stdlib", out, "--print")[2:], capsys)
+    assert code == 0 and f"--data_dir={tmp_path / 'data' / 'stdlib'}" in stdout, err
 
 
 def test_print_with_slurm_gives_the_sbatch_commands_a_branch_after_its_full_runs_job(data_dir, tmp_path, capsys,

@@ -11,9 +11,8 @@ import socket
 import subprocess
 import sys
 import time
-import types
 import weakref
-from dataclasses import asdict, replace
+from dataclasses import replace
 from datetime import timedelta
 
 import numpy as np
@@ -21,8 +20,6 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from torch._dynamo.backends.distributed import DDPOptimizer
-from torch._dynamo.utils import counters
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
 
@@ -47,20 +44,13 @@ SMALL = ["configs/dyn_exo.py", "--n_layer=2", "--n_embd=64", "--n_head=2", f"--v
          "--muon_momentum_steps=2"]
 
 
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-    """Shards of a learnable toy language: 40 random 'sentences' of 12 tokens, drawn at random."""
-    rng = np.random.default_rng(0)
-    sentences = rng.integers(1, VOCAB, size=(40, 12))
-    tokens = np.concatenate([np.concatenate([[0], sentences[i]]) for i in rng.integers(0, 40, size=3000)])
-    d = tmp_path_factory.mktemp("shards")
-    write_shard(d / "toy_val_000000.bin", tokens[:4000])
-    write_shard(d / "toy_train_000001.bin", tokens[4000:22000])
-    write_shard(d / "toy_train_000002.bin", tokens[22000:])
-    return str(d)
+@pytest.fixture(scope="session")
+def data_dir(toy_shards):
+    """Shards of a learnable toy language (conftest.toy_shards: written once a session, only read)."""
+    return toy_shards
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def doc_data_dir(tmp_path_factory):
     """The toy language with GPT-2's vocabulary: each sentence opened by <|endoftext|>, as in real shards,
     so that doc_mask (on by default) has documents to keep apart: 2 or 3 per 32-token window."""
@@ -74,6 +64,17 @@ def doc_data_dir(tmp_path_factory):
 
 
 DOCS = [f"--vocab_size={EOT + 48}"]  # 50304: the model must know <|endoftext|>
+
+
+def main_output(args, capsys):
+    """train.main(args) in this process: (its value, or the SystemExit it raised; its stdout; its stderr)."""
+    capsys.readouterr()
+    try:
+        result = train.main(args)
+    except SystemExit as e:
+        result = e
+    out, err = capsys.readouterr()
+    return result, out, err
 
 
 def run_cli(args, check=True, cwd=ROOT):
@@ -116,6 +117,7 @@ def muon_step(params, grads, weight_decay, lr=0.05):
     return [p.detach() for p in ps]
 
 
+@pytest.mark.quick
 def test_muon_matches_the_spec_written_out():
     """Three steps of Muon on one tall and one wide matrix against the recipe written out line by line."""
     torch.manual_seed(0)
@@ -203,6 +205,7 @@ def test_muon_dispatches_per_shape_not_per_matrix():
         assert deep[0] == 774  # measured with torch 2.13.0
 
 
+@pytest.mark.quick
 def test_schedules_at_chosen_steps():
     c = cfg(max_steps=38_147)  # the paper's run: warmup 1000, decay from step 30517.6 to the end
     assert lr_multiplier(0, c) == pytest.approx(1 / 1000)
@@ -256,6 +259,7 @@ def test_sharded_muon_equals_unsharded(tmp_path):
             torch.testing.assert_close(a, b.detach(), rtol=0, atol=1e-6)
 
 
+@pytest.mark.quick
 def test_every_parameter_in_exactly_one_optimizer_group():
     model = GPT(GPTConfig(n_layer=2, n_embd=32, n_head=2, vocab_size=64, block_size=16, gate=True,
                           anchor="exo", mix="qkvg", granularity="elementwise", anchor_norm=True, dynamic=True))
@@ -294,7 +298,7 @@ def test_optimizers_route_by_role_not_by_shape():
 def test_ddp_two_processes_equal_one_process_with_twice_the_accumulation(data_dir, tmp_path):
     common = SMALL + [f"--data_dir={data_dir}", "--max_steps=4"]
     one = str(tmp_path / "one")
-    run_cli(common + [f"--out_dir={one}"])  # 1 process: 128 / (2 x 32) = 2 micro-steps
+    train.main(common + [f"--out_dir={one}"])  # 1 process: 128 / (2 x 32) = 2 micro-steps
     two = str(tmp_path / "two")
     # the DDP run also recomputes its blocks in backward (activation checkpointing): the same result
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
@@ -320,6 +324,7 @@ def check_process_group_and_ddp(monkeypatch, device="cpu", backend="aot_eager", 
     buckets (no second copy), syncs no buffers before each forward, and, compiled with backend, splits the graph
     at its bucket size (DDPOptimizer) through higher-order ops (the dynamic variant's checkpointed mixing; on CUDA
     FlexAttention too), the gradients those of the plain model (bitwise, or within close=dict(rtol=, atol=))."""
+    from torch._dynamo.utils import counters  # here: importing it loads dynamo
     seen, init = {}, dist.init_process_group
     monkeypatch.setattr(dist, "init_process_group", lambda *a, **k: seen.update(k) or init(*a, **k))
     for key, value in dict(RANK=0, WORLD_SIZE=1, LOCAL_RANK=0, MASTER_ADDR="127.0.0.1", MASTER_PORT=free_port()).items():
@@ -400,6 +405,7 @@ def stopped_at(step, args, monkeypatch, trainer=train):
     assert e.value.code == parallel.PREEMPTED
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("data", ["data_dir", "doc_data_dir"])
 def test_resume_is_bitwise_identical(data, tmp_path, monkeypatch, request):
     extra = DOCS if data == "doc_data_dir" else []
@@ -446,6 +452,7 @@ def test_a_cooldown_branched_from_a_longer_run_equals_a_run_of_its_own_length(da
     assert not os.path.exists(tmp_path / "late") and not os.path.exists(tmp_path / "lr")  # refused before any work
 
 
+@pytest.mark.quick
 def test_a_branch_point_is_accepted_exactly_where_both_schedules_agree_before_it(monkeypatch):
     """branch_error accepts step s of a parent run for a branch of another max_steps exactly where schedule(t) is
     the same in both for every t < s: shorter and longer branches, warmups, momentum ramps and cooldowns of several
@@ -528,10 +535,10 @@ def test_doc_mask_is_in_effect_and_kept_on_resume(doc_data_dir, tmp_path):
         train.main(common + [f"--out_dir={plain}", "--eval_only=True", "--doc_mask=True"])
 
 
-def test_sigkill_mid_run_resumes_from_last_checkpoint_and_finishes(data_dir, tmp_path):
+def test_sigkill_mid_run_resumes_from_last_checkpoint_and_finishes(data_dir, tmp_path, capsys):
     common = SMALL + [f"--data_dir={data_dir}", "--max_steps=40", "--ckpt_interval=5"]
     straight = str(tmp_path / "straight")
-    run_cli(common + [f"--out_dir={straight}"])
+    train.main(common + [f"--out_dir={straight}"])
     out = str(tmp_path / "killed")
     proc = subprocess.Popen([sys.executable, "train.py", *common, f"--out_dir={out}"], cwd=ROOT,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -544,8 +551,8 @@ def test_sigkill_mid_run_resumes_from_last_checkpoint_and_finishes(data_dir, tmp
     proc.wait()
     killed_at = load_checkpoint(ckpt)["step"]
     assert 5 <= killed_at < 40, killed_at
-    r = run_cli(common + [f"--out_dir={out}", "--init_from=resume"])
-    assert f"resuming from {ckpt} at step {killed_at}" in r.stdout
+    _, stdout, _ = main_output(common + [f"--out_dir={out}", "--init_from=resume"], capsys)
+    assert f"resuming from {ckpt} at step {killed_at}" in stdout
     a, b = load_checkpoint(f"{straight}/ckpt.pt"), load_checkpoint(ckpt)
     assert b["step"] == 40
     for k in a["model"]:
@@ -553,7 +560,8 @@ def test_sigkill_mid_run_resumes_from_last_checkpoint_and_finishes(data_dir, tmp
     assert [e["step"] for e in read_log(out)] == [e["step"] for e in read_log(straight)]
 
 
-def test_resume_takes_the_model_from_the_checkpoint(data_dir, tmp_path):
+@pytest.mark.quick
+def test_resume_takes_the_model_from_the_checkpoint(data_dir, tmp_path, capsys):
     """A checkpoint written before a GPTConfig field existed means that field's default; resume and eval_only
     need no variant files; a model key that is given must agree with the checkpoint."""
     common = [f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--batch_size=2", "--total_batch_size=128",
@@ -568,9 +576,9 @@ def test_resume_takes_the_model_from_the_checkpoint(data_dir, tmp_path):
     assert load_checkpoint(f"{tmp_path}/ckpt.pt")["step"] == 3
     # no model key at all: the checkpoint's model (n_layer=2, block_size=32, ...), not the defaults
     assert train.main(common + ["--eval_only=True"]) == train.main(model + common + ["--eval_only=True"])
-    r = run_cli(common + ["--max_steps=4", "--init_from=resume"])
-    assert "n_layer=2" in r.stdout and "resuming from" in r.stdout
-    assert "max_steps=4, the run's was 3: the two schedules differ from step 2 on" in r.stdout  # Muon's ramp-down
+    _, stdout, _ = main_output(common + ["--max_steps=4", "--init_from=resume"], capsys)
+    assert "n_layer=2" in stdout and "resuming from" in stdout
+    assert "max_steps=4, the run's was 3: the two schedules differ from step 2 on" in stdout  # Muon's ramp-down
     assert load_checkpoint(f"{tmp_path}/ckpt.pt")["model_config"]["n_layer"] == 2
     # a recipe key with another value is one line too, and the checkpoint untouched
     before = os.stat(f"{tmp_path}/ckpt.pt").st_mtime_ns
@@ -579,11 +587,10 @@ def test_resume_takes_the_model_from_the_checkpoint(data_dir, tmp_path):
         train.main(common + ["--muon_lr=0.02", "--max_steps=5", "--init_from=resume"])
     assert os.stat(f"{tmp_path}/ckpt.pt").st_mtime_ns == before
     # a real conflict is one line naming the fields, before anything runs
-    r = run_cli(["--dynamic=True", "--n_layer=3", "--n_head=2"] + common + ["--init_from=resume"], check=False)
-    assert r.returncode == 1 and r.stderr.strip().splitlines()[-1] == (
+    result, _, _ = main_output(["--dynamic=True", "--n_layer=3", "--n_head=2"] + common + ["--init_from=resume"], capsys)
+    assert result.code == (
         f"train.py: error: {tmp_path}/ckpt.pt: n_layer=2, dynamic=False in the checkpoint, n_layer=3, dynamic=True "
-        f"given: a run continues with the recipe it was saved with (leave the key out to take the checkpoint's)"), \
-        r.stderr
+        f"given: a run continues with the recipe it was saved with (leave the key out to take the checkpoint's)")
 
 
 # ----------------------------------------------------------------------------- checkpoints and errors
@@ -593,14 +600,15 @@ class Boom:
         return (os.system, ("touch PWNED",))
 
 
+@pytest.mark.quick
 def test_checkpoint_with_pickled_callable_is_refused(tmp_path):
     out = tmp_path / "evil"
     out.mkdir()
     torch.save({"model": {}, "model_config": {}, "payload": Boom()}, out / "ckpt.pt")
     with pytest.raises(ValueError, match=r"ckpt.pt: not loadable with torch.load\(weights_only=True\)"):
         load_checkpoint(str(out / "ckpt.pt"))
-    r = run_cli(["--init_from=resume", f"--out_dir={out}"], check=False, cwd=tmp_path)
-    assert r.returncode != 0 and "not loadable with torch.load(weights_only=True)" in r.stderr
+    with pytest.raises(SystemExit, match=r"not loadable with torch.load\(weights_only=True\)"):
+        train.main(["--init_from=resume", f"--out_dir={out}"])
     assert not (tmp_path / "PWNED").exists() and not os.path.exists(os.path.join(ROOT, "PWNED"))
 
 
@@ -614,13 +622,20 @@ def test_checkpoint_with_pickled_callable_is_refused(tmp_path):
     (["--data_dir=/nonexistent/shards"], "/nonexistent/shards"),
     (["--init_from=resume", "--out_dir=/nonexistent/out"], "/nonexistent/out/ckpt.pt: no checkpoint there"),
 ])
-def test_bad_config_fails_before_training(data_dir, args, message, tmp_path):
+@pytest.mark.quick
+def test_bad_config_fails_before_training(data_dir, args, message, tmp_path, capsys):
+    """Each one line, and nothing started; in this process (SystemExit with the line), the first case also as train.py
+    runs from a shell (exit status 1, the line last on stderr)."""
     base = [f"--data_dir={data_dir}", f"--out_dir={tmp_path / 'out'}", "--block_size=32", "--batch_size=2",
             "--total_batch_size=128", "--n_layer=1", "--n_embd=32", "--n_head=2", "--vocab_size=256"]
-    r = run_cli(base + args, check=False)
-    assert r.returncode == 1, r.stdout + r.stderr
-    last = r.stderr.strip().splitlines()[-1]
-    assert last.startswith("train.py: error:") and message in last, r.stderr
+    if args == ["--n_layers=3"]:
+        r = run_cli(base + args, check=False)
+        assert r.returncode == 1 and r.stderr.strip().splitlines()[-1] == "train.py: error: " \
+            "--n_layers=3: unknown key 'n_layers' (did you mean n_layer?); valid keys: " + \
+            ", ".join(sorted(train.ALL_DEFAULTS)), r.stderr
+    result, _, _ = main_output(base + args, capsys)
+    assert isinstance(result, SystemExit) and str(result.code).startswith("train.py: error:")
+    assert message in str(result.code) and "\n" not in str(result.code), result
     assert not (tmp_path / "out").exists()  # nothing was started
 
 
@@ -631,11 +646,12 @@ def test_corrupt_shard_fails_before_training(data_dir, tmp_path):
         (bad / name).write_bytes(open(os.path.join(data_dir, name), "rb").read())
     shard = bad / "toy_train_000002.bin"
     shard.write_bytes(shard.read_bytes()[:-100])  # a truncated copy
-    r = run_cli(SMALL + [f"--data_dir={bad}", f"--out_dir={tmp_path / 'out'}"], check=False)
-    assert r.returncode == 1 and str(shard) in r.stderr.strip().splitlines()[-1]
+    with pytest.raises(SystemExit, match=f"^train.py: error: .*{shard}"):
+        train.main(SMALL + [f"--data_dir={bad}", f"--out_dir={tmp_path / 'out'}"])
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.quick
 def test_non_finite_loss_stops_and_keeps_last_checkpoint(data_dir, tmp_path, monkeypatch):
     calls = {"n": 0}
     forward = train.GPT.forward
@@ -658,12 +674,12 @@ def test_non_finite_loss_stops_and_keeps_last_checkpoint(data_dir, tmp_path, mon
 
 # ----------------------------------------------------------------------------- end to end
 
-def test_end_to_end_tiny_dyn_exo(data_dir, tmp_path):
+def test_end_to_end_tiny_dyn_exo(data_dir, tmp_path, capsys):
     out = str(tmp_path / "out")
-    r = run_cli(["configs/dyn_exo.py", "configs/tiny.py", f"--data_dir={data_dir}", f"--out_dir={out}",
-                 f"--vocab_size={VOCAB}", "--block_size=64", "--batch_size=4", "--total_batch_size=512",
-                 "--max_steps=30", "--warmup_steps=5", "--eval_interval=15", "--eval_tokens=1024",
-                 "--log_interval=5", "--ckpt_interval=15"])
+    _, stdout, _ = main_output(["configs/dyn_exo.py", "configs/tiny.py", f"--data_dir={data_dir}", f"--out_dir={out}",
+                                f"--vocab_size={VOCAB}", "--block_size=64", "--batch_size=4", "--total_batch_size=512",
+                                "--max_steps=30", "--warmup_steps=5", "--eval_interval=15", "--eval_tokens=1024",
+                                "--log_interval=5", "--ckpt_interval=15"], capsys)
     log = read_log(out)
     val = [e["val_loss"] for e in log if "val_loss" in e]
     assert [e["step"] for e in log if "val_loss" in e] == [0, 15, 30]
@@ -672,33 +688,32 @@ def test_end_to_end_tiny_dyn_exo(data_dir, tmp_path):
     ckpt = load_checkpoint(f"{out}/ckpt.pt")
     assert ckpt["step"] == 30 and ckpt["model_config"]["dynamic"] and ckpt["model_config"]["n_layer"] == 4
     assert ckpt["config"]["max_steps"] == 30
-    assert "step 30/30" in r.stdout
+    assert "step 30/30" in stdout
     # start-up: the configuration where it differs from the defaults (one line, not the whole JSON), and
     # what each optimiser updates
-    lines = r.stdout.splitlines()
+    lines = stdout.splitlines()
     config = next(line for line in lines if line.startswith("config, where it differs from the defaults"))
     assert "max_steps=30" in config and "dynamic=True" in config and "n_layer=4" in config
     assert "muon_beta2" not in config and not any(line.startswith(("{", '"')) for line in lines)
     assert any(line.startswith("optimisers: Muon ") and "AdamW" in line for line in lines)
     # eval_only scores the checkpoint on the whole validation shard
-    r = run_cli(["configs/dyn_exo.py", "configs/tiny.py", f"--data_dir={data_dir}", f"--out_dir={out}",
-                 f"--vocab_size={VOCAB}", "--block_size=64", "--batch_size=4", "--total_batch_size=512",
-                 "--eval_only=True"])
-    whole = float(r.stdout.strip().splitlines()[-1].split("val loss ")[1].split()[0])
+    whole, stdout, _ = main_output([f"--data_dir={data_dir}", f"--out_dir={out}", "--eval_only=True"], capsys)
+    assert stdout.strip().splitlines()[-1] == f"step 30: val loss {whole:.4f} on the whole validation set"
     assert abs(whole - val[-1]) < 0.5
 
 
-def test_planned_epochs_are_said_and_each_wrap_around_logged(tmp_path):
+def test_planned_epochs_are_said_and_each_wrap_around_logged(tmp_path, capsys):
     """One short train shard and more steps than it holds: the start-up says so, and every step whose
     batch starts the data again is logged (printed and in log.jsonl)."""
     rng = np.random.default_rng(0)
     write_shard(tmp_path / "s_val_000000.bin", rng.integers(0, VOCAB, 600))
     write_shard(tmp_path / "s_train_000001.bin", rng.integers(0, VOCAB, 1000))  # 7 windows of 128 + 1 tokens
     out = str(tmp_path / "out")
-    r = run_cli(SMALL + [f"--data_dir={tmp_path}", f"--out_dir={out}", "--max_steps=16", "--log_interval=5"])
+    _, stdout, _ = main_output(SMALL + [f"--data_dir={tmp_path}", f"--out_dir={out}", "--max_steps=16",
+                                        "--log_interval=5"], capsys)
     assert (f"data: 16 steps x 128 tokens = 2,048 tokens planned; {tmp_path} has 896 usable train tokens: "
-            f"2.29 epochs (the data repeats)") in r.stdout
-    assert [line for line in r.stdout.splitlines() if "wrapping around" in line] == [
+            f"2.29 epochs (the data repeats)") in stdout
+    assert [line for line in stdout.splitlines() if "wrapping around" in line] == [
         "step 8: end of the train data, wrapping around to its start: epoch 2 begins",
         "step 15: end of the train data, wrapping around to its start: epoch 3 begins"]
     assert [(e["step"], e["epoch"]) for e in read_log(out) if "epoch" in e] == [(8, 2), (15, 3)]
@@ -706,15 +721,17 @@ def test_planned_epochs_are_said_and_each_wrap_around_logged(tmp_path):
     assert load_checkpoint(f"{out}/ckpt.pt")["loader"]["epoch"] == 3
 
 
-def test_help_lists_every_key_with_its_default_and_meaning():
-    r = run_cli(["--help"])
-    assert "applied in the order given" in r.stdout and "--init_from=resume" in r.stdout
+@pytest.mark.quick
+def test_help_lists_every_key_with_its_default_and_meaning(capsys):
+    _, stdout, _ = main_output(["--help"], capsys)
+    assert "applied in the order given" in stdout and "--init_from=resume" in stdout
     for key, default in train.ALL_DEFAULTS.items():
-        line = next((l for l in r.stdout.splitlines() if l.startswith(f"  {key} = {default!r} ")), None)
+        line = next((l for l in stdout.splitlines() if l.startswith(f"  {key} = {default!r} ")), None)
         assert line is not None and len(line.split(f"{default!r}", 1)[1].strip()) > 5, key
-    assert run_cli(["-h", "--max_steps=oops"]).stdout == r.stdout  # help first, nothing else checked
+    assert main_output(["-h", "--max_steps=oops"], capsys)[1] == stdout  # help first, nothing else checked
 
 
+@pytest.mark.quick
 def test_every_key_has_exactly_one_meaning():
     """Training keys are explained next to their default in train.py's TrainConfig, model keys next to theirs in
     model.py's GPTConfig: every key once, and --help reads them from there."""
@@ -725,11 +742,13 @@ def test_every_key_has_exactly_one_meaning():
     assert not set(DEFAULTS) & set(train.MODEL_KEYS)
 
 
-def test_the_trainer_imports_no_network_package():
-    """train.py and what it imports stay off the network: the HTTP client is httpclient.py's, for the tools that
-    download."""
-    r = subprocess.run([sys.executable, "-c", "import sys, train; print(sorted({'requests', 'urllib3', 'httpclient'}"
-                        " & set(sys.modules)))"], cwd=ROOT, capture_output=True, text=True)
+def test_the_trainer_imports_no_network_package_and_no_compiler():
+    """train.py and what it imports stay off the network (the HTTP client is httpclient.py's, for the tools that
+    download), and load no dynamo or inductor (model.py compiles on first use: every process start would pay ~2
+    CPU-s); in a fresh interpreter."""
+    modules = "{'requests', 'urllib3', 'httpclient', 'torch._dynamo', 'torch._inductor'}"
+    r = subprocess.run([sys.executable, "-c", f"import sys, train; print(sorted({modules} & set(sys.modules)))"],
+                       cwd=ROOT, capture_output=True, text=True)
     assert r.returncode == 0 and r.stdout.strip() == "[]", r.stdout + r.stderr
 
 
@@ -792,11 +811,12 @@ def test_bf16_autocast_training_on_cpu(data_dir, tmp_path):
 
 
 def test_compiled_training_compiles_once_for_every_layout(doc_data_dir, tmp_path):
-    """--compile=True on a CPU (inductor's C++ kernels): 20 steps of 2 micro-steps, every window a different layout
-    of documents under the dense mask, run two graphs, compiled once each (training, and the evaluation's without
-    gradients): no graph break, no recompilation. The losses are an eager run's to 1e-3 (fused kernels round
-    differently, and 20 steps of Muon's bf16 orthogonalisation carry that on: 1.0e-4 measured)."""
-    common = SMALL + DOCS + [f"--data_dir={doc_data_dir}", "--max_steps=20", "--eval_interval=20"]
+    """--compile=True on a CPU (inductor's C++ kernels): 8 steps of 2 micro-steps, every window (16) a different
+    layout of documents under the dense mask, run two graphs, compiled once each (training, and the evaluation's
+    without gradients): no graph break, no recompilation. The losses are an eager run's to 1e-3 (fused kernels round
+    differently, and Muon's bf16 orthogonalisation carries that on: 1.0e-4 measured over 20 steps)."""
+    from torch._dynamo.utils import counters  # here: importing it loads dynamo
+    common = SMALL + DOCS + [f"--data_dir={doc_data_dir}", "--max_steps=8", "--eval_interval=8"]
     eager = train.main(common + [f"--out_dir={tmp_path / 'eager'}"])
     torch._dynamo.reset()
     counters.clear()
@@ -852,18 +872,21 @@ def test_gpu_without_bf16_or_triton_falls_back_in_one_line(monkeypatch, capsys):
 
 def test_a_cpu_run_keeps_freed_memory_for_its_next_tensor():
     """Runtime.pick("cpu") has glibc's malloc keep a freed 0.4 GB tensor for the next allocation, where by default
-    it hands it back to the kernel (and page-faults it in again at the next step). Each case in a fresh process, as
-    malloc's settings are the process's."""
-    script = ("import sys, torch, parallel\n"
-              "if sys.argv[1] == 'cpu': parallel.Runtime.pick('cpu')\n"
+    it hands it back to the kernel (and page-faults it in again at the next step). In a fresh process, as malloc's
+    settings are the process's: the default first, then the same after Runtime.pick("cpu")."""
+    script = ("import os, torch, parallel\n"
               "resident = lambda: int(open('/proc/self/statm').read().split()[1]) * os.sysconf('SC_PAGE_SIZE')\n"
-              "t = torch.ones(100_000_000)\n"
-              "held = resident()\n"
-              "del t\n"
-              "print(held - resident())\n")
-    returned = {how: int(subprocess.run([sys.executable, "-c", "import os\n" + script, how], cwd=ROOT, check=True,
-                                        capture_output=True, text=True).stdout) for how in ("default", "cpu")}
-    assert returned["default"] >= 4 * 10**8 and returned["cpu"] < 10**6, returned
+              "def returned():\n"
+              "    t = torch.ones(100_000_000)\n"
+              "    held = resident()\n"
+              "    del t\n"
+              "    return held - resident()\n"
+              "default = returned()\n"
+              "parallel.Runtime.pick('cpu')\n"
+              "print(default, returned())\n")
+    default, cpu = map(int, subprocess.run([sys.executable, "-c", script], cwd=ROOT, check=True, capture_output=True,
+                                           text=True).stdout.split())
+    assert default >= 4 * 10**8 and cpu < 10**6, (default, cpu)
 
 
 def test_bench_gpu_refuses_without_a_gpu():
@@ -902,7 +925,8 @@ def test_the_quick_start_trains_and_samples_offline_on_a_fresh_machine(closed_ne
     sample = next(line for line in open(os.path.join(ROOT, "README.md")).read().splitlines()
                   if line.startswith("python sample.py out/ckpt.pt"))
     python = [sys.executable if word == "python" else word for word in train_command]
-    r = subprocess.run(closed_network + python + ["--max_steps=3", "--eval_tokens=2048"], cwd=tmp_path,
+    small = ["--max_steps=3", "--eval_tokens=2048", "--batch_size=1", "--total_batch_size=256"]  # one window a step
+    r = subprocess.run(closed_network + python + small, cwd=tmp_path,
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "data/stdlib: not there yet; building the built-in corpus from this Python's standard library" in r.stdout
