@@ -300,8 +300,8 @@ def test_print_gives_runnable_commands_and_bad_input_is_refused_before_any_run(d
                            (["--seed=3"], "--seed=3: the sweep sets it for every run (use --seeds)"),
                            (["--budgets=0.5"], "1 among them"),
                            (["--cooldown_frac=0.9", "--budgets=0.5,1"], "--budgets: 0.5 (6 steps): its schedule and "
-                            "the full run's differ from step 2, so a branch would save 2 of its 6 steps, less than 50%; "
-                            "--budgets_from_scratch runs it on its own"),
+                            "the full run's differ from step 2, so a branch would save 2 of its 6 steps, less than "
+                            "50%; --budgets_from_scratch runs it on its own"),
                            (["configs/nope.py"], "configs/nope.py: no config file configs/nope.py"),
                            (["--data_dir=/nonexistent"], "/nonexistent: data directory not found")]:
         code, _, err = sweep_main(sweep_cmd(data_dir, tmp_path / "bad", *extra)[2:], capsys)

@@ -582,12 +582,13 @@ def test_resume_takes_the_model_from_the_checkpoint(data_dir, tmp_path, capsys):
     assert load_checkpoint(f"{tmp_path}/ckpt.pt")["model_config"]["n_layer"] == 2
     # a recipe key with another value is one line too, and the checkpoint untouched
     before = os.stat(f"{tmp_path}/ckpt.pt").st_mtime_ns
-    with pytest.raises(SystemExit, match=r"ckpt.pt: muon_lr=0.01 in the checkpoint, muon_lr=0.02 given: a run continues "
-                                         r"with the recipe it was saved with"):
+    with pytest.raises(SystemExit, match=r"ckpt.pt: muon_lr=0.01 in the checkpoint, muon_lr=0.02 given: a run "
+                                         r"continues with the recipe it was saved with"):
         train.main(common + ["--muon_lr=0.02", "--max_steps=5", "--init_from=resume"])
     assert os.stat(f"{tmp_path}/ckpt.pt").st_mtime_ns == before
     # a real conflict is one line naming the fields, before anything runs
-    result, _, _ = main_output(["--dynamic=True", "--n_layer=3", "--n_head=2"] + common + ["--init_from=resume"], capsys)
+    conflict = ["--dynamic=True", "--n_layer=3", "--n_head=2"]
+    result, _, _ = main_output(conflict + common + ["--init_from=resume"], capsys)
     assert result.code == (
         f"train.py: error: {tmp_path}/ckpt.pt: n_layer=2, dynamic=False in the checkpoint, n_layer=3, dynamic=True "
         f"given: a run continues with the recipe it was saved with (leave the key out to take the checkpoint's)")
