@@ -373,8 +373,8 @@ def test_compiled_flex_forward_is_one_graph_for_every_layout(fresh_dynamo):
     different layouts run the one graph compiled for the first, and equal the dense SDPA mask path. (features:
     the forward but lm_head, whose (B, T, 50304) logits would take most of the time; 4 layouts, none, one at the
     block boundary and two random ones, as each costs ~1 s on 2 cores.)"""
-    model = randomize(GPT(variant("dyn_exo", vocab_size=50304, n_layer=2, block_size=256))).eval()
-    model.flex = True
+    model = randomize(GPT(variant("dyn_exo", vocab_size=50304, n_layer=1, block_size=256))).eval()  # exo anchors:
+    model.flex = True  # every layer alike, so one shows the path
     compiled = torch.compile(model.features, fullgraph=True)
     with torch.no_grad():
         for idx in layouts(model.config, 4):
@@ -566,8 +566,8 @@ COMPILED_PATHS = [("dyn_exo", True), ("nuresformer_e", False)]
 def test_compiled_training_step_matches_eager(name, doc_mask, fresh_dynamo):
     """train.py's compiled forward and backward on a CPU (inductor's C++ kernels) for each distinct code path
     (COMPILED_PATHS): one graph (fullgraph=True), eager's loss and gradients."""
-    model = randomize(GPT(variant(name, vocab_size=50304, n_layer=2)))
-    idx = packed(model.config, [4, 12, 25])
+    model = randomize(GPT(variant(name, vocab_size=50304, n_layer=1 if name == "dyn_exo" else 2)))  # the fewest
+    idx = packed(model.config, [4, 12, 25])  # layers with each path (internal anchors: layer 1 anchors layer 2)
     x, y = idx[:, :-1], idx[:, 1:]
     _, eager_loss = model(x, y, z_loss=1e-4, doc_mask=doc_mask)
     eager_loss.backward()
@@ -664,7 +664,7 @@ def test_activation_checkpointing_gives_the_same_loss_and_gradients(name):
 def test_activation_checkpointing_compiles_to_one_graph(fresh_dynamo):
     """Each block under torch.utils.checkpoint inside the compiled model (fullgraph=True), with dyn_exo's own
     checkpointed mix nested in it: the loss of the eager model without checkpointing."""
-    model = randomize(GPT(variant("dyn_exo")))
+    model = randomize(GPT(variant("dyn_exo", n_layer=1)))  # one block: its checkpoint and the mix's nested in it
     idx = tokens(model.config)
     loss = model(idx[:, :-1], idx[:, 1:], z_loss=1e-4, doc_mask=True)[1]
     model.activation_checkpointing = True
