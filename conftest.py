@@ -82,6 +82,18 @@ def closed_network():
 
 # ----------------------------------------------------------------------------- shared by the training tests
 
+def in_process(main, argv, capsys):
+    """A tool's main(argv) in this process, where no process is the subject: (its value, or the SystemExit it raised;
+    its stdout; its stderr)."""
+    capsys.readouterr()
+    try:
+        result = main(argv)
+    except SystemExit as e:
+        result = e
+    out, err = capsys.readouterr()
+    return result, out, err
+
+
 TOY_VOCAB = 256  # the toy language's ids: a model of 256 ids trains in well under a second per step on a CPU
 
 

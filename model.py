@@ -27,6 +27,7 @@ kernels and document masks, the chunked loss, the KV cache and generation, the F
 file so that a fork of the model is a fork of one file. test_model.py's reference_logits is the same model
 written out on one screen, from the raw parameters.
 """
+import functools
 from dataclasses import dataclass, fields
 
 import torch
@@ -378,13 +379,9 @@ triton_available._dynamo_marked_constant = True
 # mask): inside a compiled model dynamo traces and fuses the plain functions; called eagerly, these compiled
 # copies run instead, compiled once and reused per batch. Made on first use: torch.compile imports dynamo and
 # inductor, 1.2 CPU-s that every process without a BlockMask would pay at import
-COMPILED = {}  # function -> its compiled copy
-
-
+@functools.cache  # one compiled copy of each function (and options), made on its first call
 def compiled(fn, **options):
-    if fn not in COMPILED:
-        COMPILED[fn] = torch.compile(fn, **options)
-    return COMPILED[fn]
+    return torch.compile(fn, **options)
 
 
 def attention(q, k, v, mask, causal=True):

@@ -79,10 +79,12 @@ class Config:
     # a section comment, in another column: not a meaning
     n_head: int = 2  # heads
 """)
-    assert key_comments(path, "DEFAULTS") == {"lr": "peak learning rate", "out_dir": "where '#' in a value is no comment"}
+    assert key_comments(path, "DEFAULTS") == {"lr": "peak learning rate",
+                                              "out_dir": "where '#' in a value is no comment"}
     assert key_comments(path, "Config") == {"n_layer": "transformer blocks, a meaning that goes on in the column of "
                                                        "its own comment", "n_head": "heads"}
-    text = help_text("usage: tool.py", [("keys", dict(lr=0.01, out_dir="out#1", seed=42), key_comments(path, "DEFAULTS"))])
+    keys = dict(lr=0.01, out_dir="out#1", seed=42)
+    text = help_text("usage: tool.py", [("keys", keys, key_comments(path, "DEFAULTS"))])
     assert text.splitlines() == ["usage: tool.py", "", "keys:", "  lr = 0.01          peak learning rate",
                                  "  out_dir = 'out#1'  where '#' in a value is no comment", "  seed = 42"]
 

@@ -1,8 +1,8 @@
 """Tests of the CUDA path, which the CPU tests cannot reach: FlexAttention's document mask and its backward, the
 compiled step with a new BlockMask every batch, bf16 autocast against fp32, NCCL under torchrun with a stop and a
 resume (DDP, and FSDP with bf16 gathers and compiled blocks), FSDP's mixed precision against fp32, the sharded Muon
-step over NCCL (2 GPUs), the KV cache, and a step's peak memory against bench.py's estimate. They run only where torch sees a GPU;
-elsewhere pytest reports them skipped, with the reason. Small sizes: a few minutes on one GPU."""
+step over NCCL (2 GPUs), the KV cache, and a step's peak memory against bench.py's estimate. They run only where torch
+sees a GPU; elsewhere pytest reports them skipped, with the reason. Small sizes: a few minutes on one GPU."""
 import copy
 import math
 import signal
@@ -23,7 +23,8 @@ from test_model import FAMILIES, compiled_graphs, fresh_dynamo, layouts, randomi
 from test_faults import finish, run, start, wait_for_step
 from checkpoint import load_checkpoint
 from test_fsdp import _sharded_step_worker
-from test_train import DOCS, SMALL, assert_same_run, check_process_group_and_ddp, doc_data_dir, free_port  # noqa: F401
+from test_train import (DOCS, SMALL, assert_same_run, check_process_group_and_ddp, doc_data_dir,  # noqa: F401
+                        free_port, one_process_torchrun)
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
                                 reason="CUDA-only: torch.cuda.is_available() is False on this machine")
@@ -231,8 +232,7 @@ def test_fsdp_nccl_bf16_compiled_stopped_and_resumed_equals_an_unbroken_run(doc_
 def test_fsdp_bf16_mixed_precision_against_fp32(monkeypatch):
     """FSDP on one GPU (NCCL): the weights are gathered in bf16 for the forward, the shards and their gradients
     stay fp32, and the loss and gradients are the fp32 model's to bf16's tolerance (as bf16 autocast's)."""
-    for key, value in dict(RANK=0, WORLD_SIZE=1, LOCAL_RANK=0, MASTER_ADDR="127.0.0.1", MASTER_PORT=free_port()).items():
-        monkeypatch.setenv(key, str(value))
+    one_process_torchrun(monkeypatch)
     worker = parallel.join(train.TrainConfig(fsdp=True))
     try:
         assert worker.runtime.dtype == torch.bfloat16 and dist.get_backend() == "nccl"

@@ -509,7 +509,8 @@ def test_cli_offline_loads_the_shipped_tokenizer(offline, tmp_path):
     missing checkpoint, not the vocabulary."""
     with pytest.raises(SystemExit) as e:
         ev.main([str(tmp_path / "ckpt.pt")])
-    assert str(e.value).startswith("eval.py: error: ") and f"{tmp_path / 'ckpt.pt'}: no checkpoint there" in str(e.value)
+    message = str(e.value)
+    assert message.startswith("eval.py: error: ") and f"{tmp_path / 'ckpt.pt'}: no checkpoint there" in message
 
 
 def test_cached_file_is_checked(tmp_path):

@@ -21,7 +21,7 @@ import analyze
 import parallel
 import train
 from checkpoint import WEIGHTS, load_checkpoint, load_model, save_checkpoint
-from test_train import ROOT, SMALL, assert_same_run, data_dir, read_log  # noqa: F401  (data_dir: the toy shards fixture)
+from test_train import ROOT, SMALL, assert_same_run, data_dir, read_log  # noqa: F401  (data_dir: a fixture)
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
 ENV = {**{k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")},

@@ -35,7 +35,8 @@ from conftest import needs
 from model import GPT, GPTConfig
 from test_faults import TORCHRUN, finish, run, start, wait_for_step, workers
 from test_model import randomize, tokens, variant
-from test_train import ROOT, SMALL, data_dir, free_port, read_log  # noqa: F401  (data_dir: the toy shards fixture)
+from test_train import (ROOT, SMALL, data_dir, free_port, one_process_torchrun,  # noqa: F401  (data_dir: a fixture)
+                        read_log)
 from train import TrainConfig
 
 STEPS = 20
@@ -218,9 +219,7 @@ def test_a_killed_worker_under_max_restarts_resumes_from_the_last_sharded_checkp
 def one_rank_group(monkeypatch):
     """torchrun's environment for one process in this one: train.main joins a process group of its own (FSDP needs
     one), which ends with it, or here after a failed run."""
-    for key, value in dict(RANK=0, WORLD_SIZE=1, LOCAL_RANK=0, MASTER_ADDR="127.0.0.1").items():
-        monkeypatch.setenv(key, str(value))
-    yield lambda: monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    yield lambda: one_process_torchrun(monkeypatch)
     if dist.is_initialized():
         dist.destroy_process_group()
 

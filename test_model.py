@@ -618,7 +618,8 @@ def test_kv_cache_greedy_equals_greedy_without_cache(name, config):
     model = randomize(GPT(config)).eval()
     prompt = tokens(config)[:, :5]
     n = config.block_size + 4  # past block_size the window slides and the cache starts again
-    assert torch.equal(generate(model, prompt, n, temperature=0), generate(model, prompt, n, temperature=0, use_cache=False))
+    cached = generate(model, prompt, n, temperature=0)
+    assert torch.equal(cached, generate(model, prompt, n, temperature=0, use_cache=False))
 
 
 def test_kv_cache_logits_equal_a_full_forward():
@@ -630,7 +631,8 @@ def test_kv_cache_logits_equal_a_full_forward():
         steps = [model.features(idx[:, :8], cache=cache)] + [model.features(idx[:, t:t + 1], cache=cache)
                                                              for t in range(8, idx.size(1))]
     torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=1e-5, atol=1e-5)
-    assert len(cache) == idx.size(1) and cache.keys[0].shape == (2, model.config.n_head, idx.size(1), model.config.head_dim)
+    config = model.config
+    assert len(cache) == idx.size(1) and cache.keys[0].shape == (2, config.n_head, idx.size(1), config.head_dim)
     with pytest.raises(ValueError, match="block_size"):
         model.features(idx[:, :1], cache=cache)  # full: the caller must start again
 
@@ -717,7 +719,8 @@ def test_readme_variant_table_is_true():
             n = GPT(file_config(os.path.join(CONFIG_DIR, name + ".py"))).num_params()
         assert n == int(rows[name].replace(",", "")), \
             f"README.md: configs/{name}.py builds {n:,} parameters, the table says {rows[name]}"
-    assert set(rows) <= set(PAPER_VARIANTS + CONTROLS), f"README.md: rows for unknown files {set(rows) - set(PAPER_VARIANTS)}"
+    assert set(rows) <= set(PAPER_VARIANTS + CONTROLS), \
+        f"README.md: rows for unknown files {set(rows) - set(PAPER_VARIANTS)}"
 
 
 def symbol_source(path, symbol):
@@ -756,7 +759,8 @@ def test_each_file_imports_only_from_the_rows_above_it():
     rows = {name: i for i, line in enumerate(table) for name in re.findall(r"`(\w+)\.py`", line.split("|")[1])}
     modules = {f[:-3] for f in os.listdir(ROOT) if f.endswith(".py") and not f.startswith("test_")} - {
         "conftest", "modeling_exoformer"}  # modeling_exoformer: copied into Hugging Face folders, beside model.py
-    assert set(rows) == modules, f"README.md: the file table lacks {modules - set(rows)}, or names {set(rows) - modules}"
+    assert set(rows) == modules, \
+        f"README.md: the file table lacks {modules - set(rows)}, or names {set(rows) - modules}"
     for name in modules:
         tree = ast.parse(open(os.path.join(ROOT, name + ".py")).read())
         imported = {a.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import) for a in node.names}
@@ -790,13 +794,15 @@ def test_every_relative_link_of_the_docs_resolves():
     def anchors(path):
         return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-")
                 for h in re.findall(r"(?m)^#+ (.*)$", open(path, encoding="utf-8").read())}
-    pages = ["README.md"] + [os.path.join("docs", f) for f in os.listdir(os.path.join(ROOT, "docs")) if f.endswith(".md")]
+    pages = ["README.md"] + [os.path.join("docs", f) for f in os.listdir(os.path.join(ROOT, "docs"))
+                             if f.endswith(".md")]
     for page in pages:
         for link in re.findall(r"\]\(([^)\s]+)\)", open(os.path.join(ROOT, page), encoding="utf-8").read()):
             if link.startswith(("http://", "https://")):
                 continue
             path, _, fragment = link.partition("#")
-            target = os.path.normpath(os.path.join(ROOT, os.path.dirname(page), path)) if path else os.path.join(ROOT, page)
+            target = (os.path.normpath(os.path.join(ROOT, os.path.dirname(page), path)) if path
+                      else os.path.join(ROOT, page))
             assert os.path.exists(target), f"{page}: the link {link} names no file"
             if fragment and target.endswith(".md"):
                 assert fragment in anchors(target), f"{page}: the link {link} names no heading of {path or page}"
@@ -843,7 +849,8 @@ def test_bf16_autocast_keeps_attention_in_bf16(name):
     model = randomize(GPT(variant(name)))
     seen = []
     for block in model.blocks:
-        block.attn.register_forward_hook(lambda m, i, out: seen.extend([out[0].dtype, *(t.dtype for t in out[1].values())]))
+        block.attn.register_forward_hook(
+            lambda m, i, out: seen.extend([out[0].dtype, *(t.dtype for t in out[1].values())]))
     idx = tokens(model.config)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         logits, loss = model(idx[:, :-1], idx[:, 1:])

@@ -17,8 +17,9 @@ import torch
 import sweep
 import train
 from checkpoint import load_checkpoint
+from conftest import in_process
 from model import GPT, GPTConfig
-from test_train import ROOT, SMALL, assert_same_run, data_dir, read_log  # noqa: F401  (data_dir: the toy shards fixture)
+from test_train import ROOT, SMALL, assert_same_run, data_dir, read_log  # noqa: F401  (data_dir: a fixture)
 
 GATED = dict(gate=True, anchor="none", mix="", granularity="scalar", anchor_norm=False, dynamic=False)
 DYN = dict(gate=True, anchor="exo", mix="qkvg", granularity="elementwise", anchor_norm=True, dynamic=True)
@@ -162,11 +163,17 @@ def test_unfinished_runs_are_left_out_and_the_cli_writes_json_and_table(tmp_path
 
 # ----------------------------------------------------------------------------- running
 
-def sweep_cmd(data_dir, out, *extra):
+def sweep_args(data_dir, out, *extra, variants=("configs/gated.py", "configs/dyn_exo.py")):
+    """sweep.py's arguments for the tests' sweeps: the variants, seeds 0 and 1 (a later --seeds in extra wins), 12
+    steps of the small model."""
     common = [a for a in SMALL if not a.startswith("configs/")] + [f"--data_dir={data_dir}", "--max_steps=12",
                                                                     "--ckpt_interval=4", "--eval_interval=4"]
-    return [sys.executable, "sweep.py", "configs/gated.py", "configs/dyn_exo.py", "--seeds=0,1", f"--out_dir={out}",
-            *common, *extra]
+    return [*variants, "--seeds=0,1", f"--out_dir={out}", *common, *extra]
+
+
+def sweep_cmd(data_dir, out, *extra, **variants):
+    """The sweep as a shell runs it."""
+    return [sys.executable, "sweep.py", *sweep_args(data_dir, out, *extra, **variants)]
 
 
 def running(name):
@@ -188,13 +195,13 @@ def test_a_sweep_stopped_in_a_run_and_started_again_redoes_nothing(data_dir, tmp
     sweep's runs is test_print_...'s; a run first started by the sweep started again, test_a_sweep_killed_...'s.)"""
     straight, out = str(tmp_path / "straight"), str(tmp_path / "stopped")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = lambda out, seeds, *extra: [c if c != "--seeds=0,1" else f"--seeds={seeds}" for c in sweep_cmd(
-        data_dir, out, *extra) if c != "configs/dyn_exo.py"]
-    r = subprocess.run(cmd(straight, "1"), cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    gated = ["configs/gated.py"]
+    r = subprocess.run(sweep_cmd(data_dir, straight, "--seeds=1", variants=gated), cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     assert re.search(r"\[1/1\] done gated_s1 in \d+\.\d min \(CPU \d+\.\d min\)", r.stdout), r.stdout
     assert "| Gated Attention | 1 |" in r.stdout
-    proc = subprocess.Popen(cmd(out, "0,1", "--log_interval=1"), cwd=ROOT, env=env, text=True,
+    proc = subprocess.Popen(sweep_cmd(data_dir, out, "--log_interval=1", variants=gated), cwd=ROOT, env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
     second = os.path.join(out, "gated_s1", "log.jsonl")
     deadline = time.time() + 300
@@ -207,7 +214,8 @@ def test_a_sweep_stopped_in_a_run_and_started_again_redoes_nothing(data_dir, tmp
     stopped_at = load_checkpoint(os.path.join(out, "gated_s1", "ckpt.pt"))["step"]
     assert 2 <= stopped_at < 12
     finished = {f: os.stat(f).st_mtime_ns for f in (f"{out}/gated_s0/ckpt.pt", f"{out}/gated_s0/log.jsonl")}
-    r = subprocess.run(cmd(out, "0,1"), cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    r = subprocess.run(sweep_cmd(data_dir, out, variants=gated), cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=600)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     lines = r.stdout.splitlines()
     assert "skip gated_s0: finished (step 12)" in lines
@@ -225,8 +233,7 @@ def test_a_sweep_killed_between_a_full_run_and_its_branch_resumes_without_redoin
     ends; started again, it skips the full run and runs the branch, which ends bit for bit as a 6-step run of its
     own (same threads: the sweep's slot)."""
     out = str(tmp_path / "sw")
-    cmd = sweep_cmd(data_dir, out, "--budgets=0.5,1", "--seeds=0")
-    cmd.remove("configs/dyn_exo.py")
+    cmd = sweep_cmd(data_dir, out, "--budgets=0.5,1", "--seeds=0", variants=["configs/gated.py"])
     proc = subprocess.Popen(cmd, cwd=ROOT, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             start_new_session=True)
     seen = []
@@ -266,21 +273,17 @@ def test_a_sweep_killed_between_a_full_run_and_its_branch_resumes_without_redoin
 def sweep_main(argv, capsys):
     """sweep.main(argv) in this process: (its exit status, stdout, stderr): --print and the refusals print, and only
     the printed commands need a shell (the first of them runs in one below)."""
-    capsys.readouterr()
-    try:
-        sweep.main(argv)
-        code = 0
-    except SystemExit as e:  # argparse's status 2, or a one-line error (status 1)
-        code = e.code if isinstance(e.code, int) else 1
-        if not isinstance(e.code, int):
-            print(e.code, file=sys.stderr)
-    out, err = capsys.readouterr()
-    return code, out, err
+    result, out, err = in_process(sweep.main, argv, capsys)
+    if not isinstance(result, SystemExit):
+        return 0, out, err
+    if isinstance(result.code, int):  # argparse's status 2
+        return result.code, out, err
+    return 1, out, err + f"{result.code}\n"  # a one-line error: Python prints it and exits with 1
 
 
 def test_print_gives_runnable_commands_and_bad_input_is_refused_before_any_run(data_dir, tmp_path, capsys):
     out = tmp_path / "sw"
-    code, stdout, err = sweep_main(sweep_cmd(data_dir, out, "--print", "--budgets=0.5,1")[2:], capsys)
+    code, stdout, err = sweep_main(sweep_args(data_dir, out, "--print", "--budgets=0.5,1"), capsys)
     lines = stdout.splitlines()  # 2 variants x 2 seeds: the full runs, then each branch after what it waits for
     assert code == 0 and len(lines) == 4 + 2 * 4 and not out.exists(), err
     full, branch = lines[0], lines[5]
@@ -292,7 +295,7 @@ def test_print_gives_runnable_commands_and_bad_input_is_refused_before_any_run(d
         r = subprocess.run(command, shell=True, cwd=ROOT, capture_output=True, text=True, timeout=300)
         assert r.returncode == 0, r.stderr[-2000:]
     assert load_checkpoint(f"{out}/gated_b0.5_s0/ckpt.pt")["step"] == 6
-    scratch = sweep_main(sweep_cmd(data_dir, out, "--print", "--budgets=0.5,1", "--budgets_from_scratch")[2:],
+    scratch = sweep_main(sweep_args(data_dir, out, "--print", "--budgets=0.5,1", "--budgets_from_scratch"),
                          capsys)[1].splitlines()
     assert len(scratch) == 8 and not any("keep_full" in c or "# waits" in c for c in scratch)
     assert f"--out_dir={out}/gated_b0.5_s0 --init_from=auto" in scratch[1]
@@ -304,11 +307,11 @@ def test_print_gives_runnable_commands_and_bad_input_is_refused_before_any_run(d
                             "50%; --budgets_from_scratch runs it on its own"),
                            (["configs/nope.py"], "configs/nope.py: no config file configs/nope.py"),
                            (["--data_dir=/nonexistent"], "/nonexistent: data directory not found")]:
-        code, _, err = sweep_main(sweep_cmd(data_dir, tmp_path / "bad", *extra)[2:], capsys)
+        code, _, err = sweep_main(sweep_args(data_dir, tmp_path / "bad", *extra), capsys)
         assert code == 2 if extra[0].startswith(("--seed", "--budgets")) else code == 1
         assert message in err.strip().splitlines()[-1] and not (tmp_path / "bad").exists(), err
     # the built-in corpus need not be there yet: each run's train.py builds it (once: data.ensure_corpus)
-    code, stdout, err = sweep_main(sweep_cmd(tmp_path / "data" / "stdlib", out, "--print")[2:], capsys)
+    code, stdout, err = sweep_main(sweep_args(tmp_path / "data" / "stdlib", out, "--print"), capsys)
     assert code == 0 and f"--data_dir={tmp_path / 'data' / 'stdlib'}" in stdout, err
 
 
@@ -317,7 +320,8 @@ def test_print_with_slurm_gives_the_sbatch_commands_a_branch_after_its_full_runs
     """What --slurm submits, printed (test_slurm.py submits it to a real Slurm); and its refusals."""
     out = tmp_path / "sw"
     options = "--time=4:00:00 --gpus-per-node=1 --comment='a b'"
-    sweep.main(sweep_cmd(data_dir, out, "--seeds=0", "--budgets=0.5,1", "--print", "--slurm", f"--sbatch={options}")[2:])
+    sweep.main(sweep_args(data_dir, out, "--seeds=0", "--budgets=0.5,1", "--print", "--slurm",
+                          f"--sbatch={options}"))
     lines = capsys.readouterr().out.splitlines()
     names = ["gated_s0", "gated_b0.5_s0", "dyn_exo_s0", "dyn_exo_b0.5_s0"]
     assert lines[0] == f"mkdir -p {' '.join(str(out / n) for n in names)}" and len(lines) == 5 and not out.exists()
@@ -331,11 +335,11 @@ def test_print_with_slurm_gives_the_sbatch_commands_a_branch_after_its_full_runs
     for extra, message in [(["--sbatch=--time=10"], "--sbatch: expected with --slurm"),
                            (["--slurm", "--sbatch=--comment='a"], "No closing quotation")]:
         with pytest.raises(SystemExit):
-            sweep.main(sweep_cmd(data_dir, out, *extra)[2:])
+            sweep.main(sweep_args(data_dir, out, *extra))
         assert message in capsys.readouterr().err
     monkeypatch.setenv("PATH", str(tmp_path))  # no Slurm there
     with pytest.raises(SystemExit, match=r"--slurm: no sbatch on PATH \(Slurm's commands"):
-        sweep.main(sweep_cmd(data_dir, out, "--slurm")[2:])
+        sweep.main(sweep_args(data_dir, out, "--slurm"))
     assert not out.exists()
 
 

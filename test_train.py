@@ -30,6 +30,7 @@ import runlog
 import train
 from checkpoint import load_checkpoint
 from configurator import load_config
+from conftest import in_process
 from data import write_shard
 from model import EOT, GPT, GPTConfig, flops_per_token
 from optim import Muon, polar_express
@@ -68,13 +69,7 @@ DOCS = [f"--vocab_size={EOT + 48}"]  # 50304: the model must know <|endoftext|>
 
 def main_output(args, capsys):
     """train.main(args) in this process: (its value, or the SystemExit it raised; its stdout; its stderr)."""
-    capsys.readouterr()
-    try:
-        result = train.main(args)
-    except SystemExit as e:
-        result = e
-    out, err = capsys.readouterr()
-    return result, out, err
+    return in_process(train.main, args, capsys)
 
 
 def run_cli(args, check=True, cwd=ROOT):
@@ -241,6 +236,13 @@ def free_port():
         return s.getsockname()[1]
 
 
+def one_process_torchrun(monkeypatch):
+    """torchrun's environment for one process, set in this one (on a free port): train.main joins a group of one."""
+    env = dict(RANK=0, WORLD_SIZE=1, LOCAL_RANK=0, MASTER_ADDR="127.0.0.1", MASTER_PORT=free_port())
+    for key, value in env.items():
+        monkeypatch.setenv(key, str(value))
+
+
 def test_sharded_muon_equals_unsharded(tmp_path):
     # three matrices of one shape (uneven split over 2 ranks), two of another, one alone
     shapes = [(16, 8), (16, 8), (16, 8), (8, 24), (8, 24), (4, 4)]
@@ -327,8 +329,7 @@ def check_process_group_and_ddp(monkeypatch, device="cpu", backend="aot_eager", 
     from torch._dynamo.utils import counters  # here: importing it loads dynamo
     seen, init = {}, dist.init_process_group
     monkeypatch.setattr(dist, "init_process_group", lambda *a, **k: seen.update(k) or init(*a, **k))
-    for key, value in dict(RANK=0, WORLD_SIZE=1, LOCAL_RANK=0, MASTER_ADDR="127.0.0.1", MASTER_PORT=free_port()).items():
-        monkeypatch.setenv(key, str(value))
+    one_process_torchrun(monkeypatch)
     ended_with = []  # whether the DDP wrapper was still alive when the process group ended
     destroy = dist.destroy_process_group
     monkeypatch.setattr(dist, "destroy_process_group", lambda: ended_with.append(freed() is not None) or destroy())
@@ -370,8 +371,7 @@ def test_process_group_timeout_and_ddp_arguments(monkeypatch):
 
 def test_train_frees_its_ddp_wrapper_before_the_process_group_ends(data_dir, tmp_path, monkeypatch):
     """train.main under torchrun (one process here): when the group ends, no DDP wrapper of the run is alive."""
-    for key, value in dict(RANK=0, WORLD_SIZE=1, LOCAL_RANK=0, MASTER_ADDR="127.0.0.1", MASTER_PORT=free_port()).items():
-        monkeypatch.setenv(key, str(value))
+    one_process_torchrun(monkeypatch)
     made, alive_at_end = [], []  # the wrappers' types; the DDP objects still in memory (garbage too) at the end
     wrap = parallel.data_parallel
     monkeypatch.setattr(parallel, "data_parallel", lambda *a, **k: made.append(type(m := wrap(*a, **k))) or m)
@@ -448,7 +448,8 @@ def test_a_cooldown_branched_from_a_longer_run_equals_a_run_of_its_own_length(da
         train.main(common + [f"--out_dir={tmp_path / 'late'}", "--max_steps=8", f"--init_from={late}"])
     with pytest.raises(SystemExit, match="ckpt_000006_full.pt: adam_lr=0.003 in the checkpoint, adam_lr=0.001 "
                                          "given: a branch changes max_steps only"):
-        train.main(common + [f"--out_dir={tmp_path / 'lr'}", "--max_steps=8", f"--init_from={point}", "--adam_lr=0.001"])
+        train.main(common + [f"--out_dir={tmp_path / 'lr'}", "--max_steps=8", f"--init_from={point}",
+                             "--adam_lr=0.001"])
     assert not os.path.exists(tmp_path / "late") and not os.path.exists(tmp_path / "lr")  # refused before any work
 
 
@@ -613,6 +614,12 @@ def test_checkpoint_with_pickled_callable_is_refused(tmp_path):
     assert not (tmp_path / "PWNED").exists() and not os.path.exists(os.path.join(ROOT, "PWNED"))
 
 
+def tiny_args(data_dir, tmp_path):
+    """The smallest run of the bad-config tests, into tmp_path/out."""
+    return [f"--data_dir={data_dir}", f"--out_dir={tmp_path / 'out'}", "--block_size=32", "--batch_size=2",
+            "--total_batch_size=128", "--n_layer=1", "--n_embd=32", "--n_head=2", "--vocab_size=256"]
+
+
 @pytest.mark.parametrize("args,message", [
     (["--n_layers=3"], "unknown key 'n_layers' (did you mean n_layer?)"),
     (["--max_steps=ten"], "max_steps='ten' is str, expected int"),
@@ -625,19 +632,22 @@ def test_checkpoint_with_pickled_callable_is_refused(tmp_path):
 ])
 @pytest.mark.quick
 def test_bad_config_fails_before_training(data_dir, args, message, tmp_path, capsys):
-    """Each one line, and nothing started; in this process (SystemExit with the line), the first case also as train.py
-    runs from a shell (exit status 1, the line last on stderr)."""
-    base = [f"--data_dir={data_dir}", f"--out_dir={tmp_path / 'out'}", "--block_size=32", "--batch_size=2",
-            "--total_batch_size=128", "--n_layer=1", "--n_embd=32", "--n_head=2", "--vocab_size=256"]
-    if args == ["--n_layers=3"]:
-        r = run_cli(base + args, check=False)
-        assert r.returncode == 1 and r.stderr.strip().splitlines()[-1] == "train.py: error: " \
-            "--n_layers=3: unknown key 'n_layers' (did you mean n_layer?); valid keys: " + \
-            ", ".join(sorted(train.ALL_DEFAULTS)), r.stderr
-    result, _, _ = main_output(base + args, capsys)
+    """Each one line, and nothing started; in this process (SystemExit with the line: the shell's exit status and
+    stderr are test_a_bad_key_from_a_shell_...'s)."""
+    result, _, _ = main_output(tiny_args(data_dir, tmp_path) + args, capsys)
     assert isinstance(result, SystemExit) and str(result.code).startswith("train.py: error:")
     assert message in str(result.code) and "\n" not in str(result.code), result
     assert not (tmp_path / "out").exists()  # nothing was started
+
+
+@pytest.mark.quick
+def test_a_bad_key_from_a_shell_exits_1_with_one_line_that_lists_the_keys(data_dir, tmp_path):
+    """train.py as a shell runs it: exit status 1, the line last on stderr, and nothing started."""
+    r = run_cli(tiny_args(data_dir, tmp_path) + ["--n_layers=3"], check=False)
+    assert r.returncode == 1 and r.stderr.strip().splitlines()[-1] == "train.py: error: " \
+        "--n_layers=3: unknown key 'n_layers' (did you mean n_layer?); valid keys: " + \
+        ", ".join(sorted(train.ALL_DEFAULTS)), r.stderr
+    assert not (tmp_path / "out").exists()
 
 
 def test_corrupt_shard_fails_before_training(data_dir, tmp_path):
