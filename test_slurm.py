@@ -23,7 +23,7 @@ import sweep
 from checkpoint import load_checkpoint
 from conftest import needs
 from test_faults import ENV, LIMIT, args, environ, kill_at_once, ranks, wait_for_step
-from test_sweep import sweep_cmd
+from test_sweep import sweep_args
 from test_train import ROOT, assert_same_run, read_log
 
 DAEMONS = "/usr/sbin"  # where Debian's munge and slurm-wlm put munged, slurmctld and slurmd
@@ -406,7 +406,7 @@ def test_a_sweep_submitted_to_slurm_equals_the_same_sweep_run_here(cluster, toy_
     for key, value in {**cluster.env, "OMP_NUM_THREADS": sweep.slots(2)[0]["OMP_NUM_THREADS"]}.items():
         monkeypatch.setenv(key, value)  # sbatch exports it to the jobs: their threads are those of a local run's
     there, here = str(tmp_path / "slurm"), str(tmp_path / "here")
-    submit = sweep_cmd(toy_shards, there, "--seeds=0", "--budgets=0.5,1", "--slurm", "--sbatch=--hold")[2:]
+    submit = sweep_args(toy_shards, there, "--seeds=0", "--budgets=0.5,1", "--slurm", "--sbatch=--hold")
 
     def run(argv):
         sweep.main(argv)
@@ -433,7 +433,7 @@ def test_a_sweep_submitted_to_slurm_equals_the_same_sweep_run_here(cluster, toy_
         assert Job(cluster, job, None).finish()["JobState"] == "COMPLETED"
     lines = run(submit)  # all finished: the report, as a local sweep ends
     assert lines[:4] == [f"skip {name}: finished (step {12 if name in full else 6})" for name in jobs], lines
-    run(sweep_cmd(toy_shards, here, "--seeds=0", "--budgets=0.5,1", "--parallel=2")[2:])
+    run(sweep_args(toy_shards, here, "--seeds=0", "--budgets=0.5,1", "--parallel=2"))
     with open(os.path.join(there, "report.json")) as a, open(os.path.join(here, "report.json")) as b:
         assert json.load(a) == json.load(b)
     for name in jobs:
