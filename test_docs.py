@@ -27,7 +27,7 @@ ROOT = os.path.dirname(os.path.abspath(__file__))
 PAGES = ["README.md"] + sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "docs", "*.md")))
 LAUNCHERS = ("python", "torchrun", "sbatch")
 TRAIN_LIKE = ("train.py", "train.sbatch")  # scripts whose arguments are train.py's: config files and --key=value
-# Config files a page names that a reader writes: the fork's own variant (README: Fork it for an experiment)
+# Config files a page names that a reader writes: the fork's own variant (docs/FORKING.md: Other changes)
 PLACEHOLDER_FILES = {"configs/yours.py"}
 SIZE_KEYS = ("n_layer", "n_embd", "n_head", "block_size")
 # FineWeb-Edu's train shards as prepare.py fetches them (kjj0/finewebedu10B-gpt2): 10^8 tokens each, llm.c's
