@@ -275,7 +275,8 @@ def evaluate_task(task, docs, pool, enc, model, shots=5, batch_size=32, dtype=to
 # -----------------------------------------------------------------------------
 # lm-evaluation-harness: any of its tasks on a checkpoint. Optional: only HarnessLM needs lm-eval installed.
 
-HARNESS_PIP = "pip install -r requirements-test.txt"  # the optional packages, lm-eval among them, at the versions tested
+# the optional packages, lm-eval among them, at the versions tested
+HARNESS_PIP = "pip install -r requirements-test.txt"
 MAX_GEN_TOKS = 256  # the harness's default max_gen_toks (lm_eval's HFLM)
 
 
@@ -466,7 +467,8 @@ def parse_args(argv=None):
                                   "--to_hf) or a Hub repository OWNER/NAME holding one")
     p.add_argument("--tasks", default=None, help="comma-separated subset of: " + ", ".join(TASKS) + " (default: all)")
     p.add_argument("--harness", metavar="TASKS", default=None,
-                   help="run these lm-evaluation-harness tasks (comma-separated) with lm-eval itself (requirements-test.txt)")
+                   help="run these lm-evaluation-harness tasks (comma-separated) with lm-eval itself "
+                        "(requirements-test.txt)")
     p.add_argument("--include_path", metavar="DIR", default=None, help="--harness: a folder of extra task YAMLs")
     p.add_argument("--limit", type=int, default=None, help="evaluate only the first N docs of each task")
     p.add_argument("--shots", type=int, default=None, help="few-shot examples per request (default 5, the paper's; "
@@ -483,7 +485,8 @@ def parse_args(argv=None):
     p.add_argument("--drop_anchor", action="store_true",
                    help="zero every anchor term at inference (the paper's anchor-removal ablation, §4.5)")
     p.add_argument("--out", default=None, help="also write the results to this JSON file")
-    p.add_argument("--tokenizer", default=None, help="a .tiktoken ranks file (default: tokenizer/gpt2.tiktoken, GPT-2's)")
+    p.add_argument("--tokenizer", default=None, help="a .tiktoken ranks file "
+                                                     "(default: tokenizer/gpt2.tiktoken, GPT-2's)")
     args = p.parse_args(argv)
     if args.harness is not None:
         given = [f"--{k}" for k in ("tasks", "data_dir", "base_url") if getattr(args, k) is not None]

@@ -67,9 +67,9 @@ def download_shards(data_dir, train_shards=NUM_TRAIN_SHARDS, workers=4, base_url
     bar = ByteBar(desc="download")
     try:
         with ThreadPoolExecutor(workers) as pool:
-            jobs = [pool.submit(download_file, f"{base_url.rstrip('/')}/{name}",
-                                os.path.join(data_dir, name), bar, stop, check=valid_shard,
-                                offline=f"copy the shards into {data_dir} from a machine with internet") for name in todo]
+            offline = f"copy the shards into {data_dir} from a machine with internet"
+            jobs = [pool.submit(download_file, f"{base_url.rstrip('/')}/{name}", os.path.join(data_dir, name),
+                                bar, stop, check=valid_shard, offline=offline) for name in todo]
             try:
                 for job in as_completed(jobs):
                     job.result()
