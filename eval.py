@@ -460,7 +460,8 @@ def load_split(task, which, data_dir="data/eval", base_url=BASE_URL, progress=Tr
 # Command line
 
 
-def parse_args(argv=None):
+def build_parser():
+    """eval.py's command line: its own tasks' options and --harness's."""
     p = argparse.ArgumentParser(description="5-shot multiple-choice evaluation, lm-evaluation-harness compatible; "
                                             "or any harness task through lm-eval itself (--harness)")
     p.add_argument("ckpt", help="checkpoint written by train.py or convert.py, a model folder (convert.py "
@@ -487,6 +488,12 @@ def parse_args(argv=None):
     p.add_argument("--out", default=None, help="also write the results to this JSON file")
     p.add_argument("--tokenizer", default=None, help="a .tiktoken ranks file "
                                                      "(default: tokenizer/gpt2.tiktoken, GPT-2's)")
+    return p
+
+
+def parse_args(argv=None):
+    """The command line's options, checked and with their defaults filled in (those that depend on --harness)."""
+    p = build_parser()
     args = p.parse_args(argv)
     if args.harness is not None:
         given = [f"--{k}" for k in ("tasks", "data_dir", "base_url") if getattr(args, k) is not None]

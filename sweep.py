@@ -646,8 +646,8 @@ def write_report(run_dirs, reference=None, out=None):
 
 # ----------------------------------------------------------------------------- command line
 
-def parse_args(argv):
-    """(sweep options, train.py overrides, configs) of a sweep's command line."""
+def build_parser():
+    """The sweep's own options; every other --key=value is a train.py key (parse_args passes it on)."""
     p = argparse.ArgumentParser(description="Variants x seeds as train.py runs, and their report", allow_abbrev=False,
                                 epilog="Every other --key=value is a train.py key and goes to every run.")
     p.add_argument("configs", nargs="*", help="one variant each: a config file, or files joined by '+'")
@@ -668,6 +668,12 @@ def parse_args(argv):
     p.add_argument("--report", nargs="+", metavar="RUN_DIR", help="only compare these run directories")
     p.add_argument("--reference", default=None, help="the report's reference variant (default: the first)")
     p.add_argument("--out", default=None, help="the report's JSON (default: OUT_DIR/report.json)")
+    return p
+
+
+def parse_args(argv):
+    """(sweep options, train.py overrides, configs) of a sweep's command line."""
+    p = build_parser()
     args, rest = p.parse_known_args(argv)
     args.configs += [a for a in rest if not a.startswith("-")]  # configs given after a train.py key
     rest = [a for a in rest if a.startswith("-")]
