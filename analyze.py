@@ -1,7 +1,8 @@
 """
 The paper's analyses (Figures 2-8, §4.5) for any number of checkpoints, side by side:
 
-    python analyze.py out/gated/ckpt.pt out/dyn_exo/ckpt.pt --data_dir data/finewebedu10B --tokens 65536 --out out/analysis
+    python analyze.py out/gated/ckpt.pt out/dyn_exo/ckpt.pt --data_dir data/finewebedu10B \\
+        --tokens 65536 --out out/analysis
 
 Every checkpoint (written by train.py or convert.py) reads the same validation tokens: the first
 --tokens of the val shard(s), in windows of its block_size. One forward pass per batch yields
@@ -112,7 +113,8 @@ def gate_sums(g):
 
 def token_similarity_sums(h):
     """h (B, T, C) -> float64 {cos: Σ cos, cos2: Σ cos², pairs} over the pairs i < j of each window.
-    Σ_ij cos_ij = ‖Σ_i x̂_i‖² and Σ_ij cos_ij² = ‖X̂X̂ᵀ‖_F² = ‖X̂ᵀX̂‖_F²: no T×T matrix is needed when C < T."""
+    Σ_ij cos_ij = ‖Σ_i x̂_i‖² and Σ_ij cos_ij² = ‖X̂X̂ᵀ‖_F² = ‖X̂ᵀX̂‖_F²:
+    no T×T matrix is needed when C < T."""
     B, T, C = h.shape
     x = F.normalize(h.float(), dim=-1)
     diag = x.square().sum(-1)  # cos_ii: 1 (0 for an all-zero state)

@@ -55,7 +55,8 @@ BENCH_DEFAULTS = dict(
     ranks=(),  # with memory: also the bytes per GPU, and the micro-batch that fits, with FSDP over these many GPUs
     gpu=False,  # True: configs/gated.py against configs/dyn_exo.py, compile and doc_mask off and on (CUDA only)
 )
-GPU_MODELS = ["configs/gated.py", "configs/dyn_exo.py"]  # the paper's pair at 450M: Gated Attention, Dynamic E-ExoFormer
+# the paper's pair at 450M: Gated Attention, Dynamic E-ExoFormer
+GPU_MODELS = ["configs/gated.py", "configs/dyn_exo.py"]
 # ExoFormer's extra step time over Gated Attention's in the authors' code, as the paper reports it (the figure
 # docs/REFERENCE.md and issue 20 quote)
 PAPER_OVERHEAD = "8-15%"
@@ -255,8 +256,9 @@ def rank_table(runs, x, y, env):
         held += [local_bytes(v for s in opt.state.values() for v in s.values())
                  for opt in (row.optimizers or {}).values()]
         ms = statistics.median(row.times) * 1000
-        print(f"{row.name:<28}{ms:>9.1f}{statistics.median(row.times) / statistics.median(runs[0].times):>7.3f}"
-              + "".join(f"{b / 2**20:>9.3f}" for b in held) + "".join(f"{counted.bytes[k] / 1e6:>15.3f}" for k in kinds))
+        ratio = statistics.median(row.times) / statistics.median(runs[0].times)
+        print(f"{row.name:<28}{ms:>9.1f}{ratio:>7.3f}" + "".join(f"{b / 2**20:>9.3f}" for b in held)
+              + "".join(f"{counted.bytes[k] / 1e6:>15.3f}" for k in kinds))
 
 
 def synthetic_batch(B, T, vocab_size, doc_len, device):
@@ -362,8 +364,8 @@ def sharded_table(runs):
     with torch.device("meta"):
         names = [type(opt).__name__ for opt in build_optimizers(GPT(runs[0].config), runs[0].cfg).values()]
     print(f"\nFSDP over N GPUs, per GPU (GiB): weights, gradients, optimiser states (shards), transient (estimate)"
-          f"\n{'config':<36}{'N':>5}{'weights':>9}{'grads':>7}" + "".join(f"{n:>7}" for n in names) + f"{'transient':>10}"
-          f"{'B @ 40GB':>10}{'B @ 80GB':>10}{'B @ 141GB':>11}")
+          f"\n{'config':<36}{'N':>5}{'weights':>9}{'grads':>7}" + "".join(f"{n:>7}" for n in names)
+          + f"{'transient':>10}{'B @ 40GB':>10}{'B @ 80GB':>10}{'B @ 141GB':>11}")
     for row in runs:
         with torch.device("meta"):
             full = GPT(row.config)

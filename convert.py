@@ -426,7 +426,8 @@ def parse_args(argv=None):
                                                   "config.json, the modeling code, the tokenizer, a model card)")
     p.add_argument("--push", metavar="REPO", help="--to_hf: then upload the folder to the Hub repository OWNER/NAME "
                                                   "(a token: HF_TOKEN or `hf auth login`)")
-    p.add_argument("--tokenizer", help="--to_hf: the model's .tiktoken ranks file (default: tokenizer/gpt2.tiktoken, GPT-2's)")
+    p.add_argument("--tokenizer", help="--to_hf: the model's .tiktoken ranks file "
+                                       "(default: tokenizer/gpt2.tiktoken, GPT-2's)")
     p.add_argument("--list", metavar="USER", help="list USER's Hub repositories, their checkpoints and variants")
     p.add_argument("--cache_dir", default=CACHE_DIR, help="where downloads are kept: CACHE_DIR/OWNER/NAME/FILENAME")
     p.add_argument("--base_url", default=None, help=f"the Hugging Face Hub, or a mirror with its URL layout "

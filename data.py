@@ -349,6 +349,43 @@ def corpus_order(name):
     return hashlib.sha256(name.encode()).digest()
 
 
+def corpus_split(docs):
+    """{"val": names, "train": names} of the documents: each part in the order of the names' hashes (corpus_order),
+    so that the first batches mix the whole library; one document in CORPUS_VAL_ONE_IN to val, picked by its hash."""
+    order = {n: corpus_order(n) for n in docs}  # each name hashed once: its place, and its split
+    names = sorted(docs, key=order.get)
+    val = {n for n in names if int.from_bytes(order[n][:8], "big") % CORPUS_VAL_ONE_IN == 0}
+    return {"val": [n for n in names if n in val], "train": [n for n in names if n not in val]}
+
+
+def staging_folder(data_dir):
+    """A new temporary folder beside data_dir, to build it in and rename into place when it is whole."""
+    parent = os.path.dirname(os.path.abspath(data_dir))
+    os.makedirs(parent, exist_ok=True)
+    stage = tempfile.mkdtemp(prefix=f"{os.path.basename(data_dir)}.tmp", dir=parent)
+    umask = os.umask(0o22)
+    os.umask(umask)
+    os.chmod(stage, 0o777 & ~umask)  # mkdtemp's folder is private (0700); the corpus is as any new folder
+    return stage
+
+
+def write_corpus_shards(stage, name, docs, split, workers, desc):
+    """{part: tokens} of the split's documents, tokenised by `workers` processes and written into stage as
+    {name}_val_000000.bin and {name}_train_000001.bin."""
+    tokens = {}
+    with encoder(workers=workers) as encode:
+        bar = tqdm(total=len(docs), unit="doc", desc=desc)
+        for index, part in ((0, "val"), (1, "train")):
+            arrays = []
+            for ids, n in encode(docs[d] for d in split[part]):
+                arrays.append(ids)
+                bar.update(n)
+            tokens[part] = np.concatenate(arrays) if arrays else np.zeros(0, np.uint16)
+            write_shard(os.path.join(stage, f"{name}_{part}_{index:06d}.bin"), tokens[part])
+        bar.close()
+    return tokens
+
+
 def build_corpus(data_dir, lib_dir=None, workers=min(CORPUS_WORKERS, os.cpu_count() or 1)):
     """Tokenise a Python library folder (default: the running Python's, sysconfig's stdlib) into data_dir:
     {name}_val_000000.bin, {name}_train_000001.bin (name: data_dir's basename) and corpus.json, what went where.
@@ -365,27 +402,10 @@ def build_corpus(data_dir, lib_dir=None, workers=min(CORPUS_WORKERS, os.cpu_coun
     docs, skipped = library_documents(lib_dir)
     if not docs:
         raise ValueError(f"{lib_dir}: no Python modules in it")
-    order = {n: corpus_order(n) for n in docs}  # each name hashed once: its place, and its split
-    names = sorted(docs, key=order.get)
-    val = {n for n in names if int.from_bytes(order[n][:8], "big") % CORPUS_VAL_ONE_IN == 0}
-    split = {"val": [n for n in names if n in val], "train": [n for n in names if n not in val]}
-    os.makedirs(os.path.dirname(os.path.abspath(data_dir)), exist_ok=True)
-    stage = tempfile.mkdtemp(prefix=f"{name}.tmp", dir=os.path.dirname(os.path.abspath(data_dir)))
-    umask = os.umask(0o22)
-    os.umask(umask)
-    os.chmod(stage, 0o777 & ~umask)  # mkdtemp's folder is private (0700); the corpus is as any new folder
-    tokens = {}
+    split = corpus_split(docs)
+    stage = staging_folder(data_dir)
     try:
-        with encoder(workers=workers) as encode:
-            bar = tqdm(total=len(names), unit="doc", desc=f"building {data_dir}")
-            for index, part in ((0, "val"), (1, "train")):
-                arrays = []
-                for ids, n in encode(docs[d] for d in split[part]):
-                    arrays.append(ids)
-                    bar.update(n)
-                tokens[part] = np.concatenate(arrays) if arrays else np.zeros(0, np.uint16)
-                write_shard(os.path.join(stage, f"{name}_{part}_{index:06d}.bin"), tokens[part])
-            bar.close()
+        tokens = write_corpus_shards(stage, name, docs, split, workers, desc=f"building {data_dir}")
         summary = {"source": lib_dir, "skipped": skipped,
                    **{f"{part}_documents": len(split[part]) for part in split},
                    **{f"{part}_tokens": len(tokens[part]) for part in split}, "val_names": split["val"]}
@@ -394,7 +414,7 @@ def build_corpus(data_dir, lib_dir=None, workers=min(CORPUS_WORKERS, os.cpu_coun
         os.rename(stage, data_dir)
     finally:
         shutil.rmtree(stage, ignore_errors=True)
-    print(f"built {data_dir}: {len(names):,} documents of {lib_dir} ({summary['train_documents']:,} train, "
+    print(f"built {data_dir}: {len(docs):,} documents of {lib_dir} ({summary['train_documents']:,} train, "
           f"{summary['val_documents']:,} val{f', {len(skipped)} unreadable or not UTF-8 skipped' if skipped else ''}), "
           f"{summary['train_tokens']:,} train and {summary['val_tokens']:,} val tokens in {time.time() - t0:.1f} s",
           flush=True)

@@ -275,7 +275,8 @@ def evaluate_task(task, docs, pool, enc, model, shots=5, batch_size=32, dtype=to
 # -----------------------------------------------------------------------------
 # lm-evaluation-harness: any of its tasks on a checkpoint. Optional: only HarnessLM needs lm-eval installed.
 
-HARNESS_PIP = "pip install -r requirements-test.txt"  # the optional packages, lm-eval among them, at the versions tested
+# the optional packages, lm-eval among them, at the versions tested
+HARNESS_PIP = "pip install -r requirements-test.txt"
 MAX_GEN_TOKS = 256  # the harness's default max_gen_toks (lm_eval's HFLM)
 
 
@@ -459,14 +460,16 @@ def load_split(task, which, data_dir="data/eval", base_url=BASE_URL, progress=Tr
 # Command line
 
 
-def parse_args(argv=None):
+def build_parser():
+    """eval.py's command line: its own tasks' options and --harness's."""
     p = argparse.ArgumentParser(description="5-shot multiple-choice evaluation, lm-evaluation-harness compatible; "
                                             "or any harness task through lm-eval itself (--harness)")
     p.add_argument("ckpt", help="checkpoint written by train.py or convert.py, a model folder (convert.py "
                                   "--to_hf) or a Hub repository OWNER/NAME holding one")
     p.add_argument("--tasks", default=None, help="comma-separated subset of: " + ", ".join(TASKS) + " (default: all)")
     p.add_argument("--harness", metavar="TASKS", default=None,
-                   help="run these lm-evaluation-harness tasks (comma-separated) with lm-eval itself (requirements-test.txt)")
+                   help="run these lm-evaluation-harness tasks (comma-separated) with lm-eval itself "
+                        "(requirements-test.txt)")
     p.add_argument("--include_path", metavar="DIR", default=None, help="--harness: a folder of extra task YAMLs")
     p.add_argument("--limit", type=int, default=None, help="evaluate only the first N docs of each task")
     p.add_argument("--shots", type=int, default=None, help="few-shot examples per request (default 5, the paper's; "
@@ -483,7 +486,14 @@ def parse_args(argv=None):
     p.add_argument("--drop_anchor", action="store_true",
                    help="zero every anchor term at inference (the paper's anchor-removal ablation, §4.5)")
     p.add_argument("--out", default=None, help="also write the results to this JSON file")
-    p.add_argument("--tokenizer", default=None, help="a .tiktoken ranks file (default: tokenizer/gpt2.tiktoken, GPT-2's)")
+    p.add_argument("--tokenizer", default=None, help="a .tiktoken ranks file "
+                                                     "(default: tokenizer/gpt2.tiktoken, GPT-2's)")
+    return p
+
+
+def parse_args(argv=None):
+    """The command line's options, checked and with their defaults filled in (those that depend on --harness)."""
+    p = build_parser()
     args = p.parse_args(argv)
     if args.harness is not None:
         given = [f"--{k}" for k in ("tasks", "data_dir", "base_url") if getattr(args, k) is not None]

@@ -90,9 +90,9 @@ class DynamicScale(nn.Module):
 
 
 def mix_with_anchor(own, anchor, lam1, lam2, s1=None, s2=None):
-    """Eq. 10,  Ŝ = λ1 ⊙ N(S_anc) + λ2 ⊙ S,  and Eq. 12,  Ŝ = s1·λ1 ⊙ N(S_anc) + s2·λ2 ⊙ S.  own S and anchor
-    N(S_anc) (B, H, T, D); anchor None when anchors are removed (§4.5); λ fp32 parameters, cast so that bf16
-    activations stay bf16 under autocast; s1, s2 (B, 1, T, 1) the per-token scales, or None."""
+    """Eq. 10,  Ŝ = λ1 ⊙ N(S_anc) + λ2 ⊙ S,  and Eq. 12,  Ŝ = s1·λ1 ⊙ N(S_anc) + s2·λ2 ⊙ S.
+    own S and anchor N(S_anc) (B, H, T, D); anchor None when anchors are removed (§4.5); λ fp32 parameters,
+    cast so that bf16 activations stay bf16 under autocast; s1, s2 (B, 1, T, 1) the per-token scales, or None."""
     out = lam2.to(own.dtype) * own
     if s2 is not None:
         out = out * s2
@@ -243,8 +243,9 @@ class GPTConfig:
         if self.anchor == "internal" and self.mixed == "v" and not (self.gate or self.anchor_norm or self.dynamic):
             return "ResFormer" if self.granularity == "scalar" else f"ResFormer ({self.granularity})"
         name = self.granularity[0].upper() + ("-ExoFormer" if self.anchor == "exo" else "-NuResFormer")
-        notes = [n for n, on in (("no gate", not self.gate), (f"mix {self.mixed}", self.mixed not in ("qkv", "qkvg")),
-                                 ("no anchor norm", not self.anchor_norm), ("frozen anchors", self.anchor_frozen)) if on]
+        flags = (("no gate", not self.gate), (f"mix {self.mixed}", self.mixed not in ("qkv", "qkvg")),
+                 ("no anchor norm", not self.anchor_norm), ("frozen anchors", self.anchor_frozen))
+        notes = [n for n, on in flags if on]
         return ("Dynamic " if self.dynamic else "") + name + (f" ({', '.join(notes)})" if notes else "")
 
 

@@ -67,9 +67,9 @@ def download_shards(data_dir, train_shards=NUM_TRAIN_SHARDS, workers=4, base_url
     bar = ByteBar(desc="download")
     try:
         with ThreadPoolExecutor(workers) as pool:
-            jobs = [pool.submit(download_file, f"{base_url.rstrip('/')}/{name}",
-                                os.path.join(data_dir, name), bar, stop, check=valid_shard,
-                                offline=f"copy the shards into {data_dir} from a machine with internet") for name in todo]
+            offline = f"copy the shards into {data_dir} from a machine with internet"
+            jobs = [pool.submit(download_file, f"{base_url.rstrip('/')}/{name}", os.path.join(data_dir, name),
+                                bar, stop, check=valid_shard, offline=offline) for name in todo]
             try:
                 for job in as_completed(jobs):
                     job.result()
@@ -236,7 +236,8 @@ def tokenize(paths, data_dir, name=None, shard_tokens=10**8, val_tokens=10**7, w
             "files": [os.path.join(data_dir, os.path.basename(f)) for f in files], "seconds": dt}
 
 
-def main(argv=None):
+def build_parser():
+    """prepare.py's command line: its three modes (download, --tokenize, --stdlib) and their options."""
     p = argparse.ArgumentParser(description="Download FineWeb-Edu 10B token shards, tokenise "
                                             "your own text into the same shard format, or build the "
                                             "built-in corpus (--stdlib).")
@@ -258,19 +259,32 @@ def main(argv=None):
     c.add_argument("--stdlib", nargs="?", const="", metavar="LIBRARY_DIR",
                    help="tokenise a Python standard library (default: this Python's) into --data_dir "
                         "(default data/stdlib): one document per module and per pydoc topic")
-    args = p.parse_args(argv)
+    return p
+
+
+def mode_error(args):
+    """The usage error of an option given outside its mode (--stdlib, --tokenize or the download), or None."""
     tok_only = [o for o in ("name", "shard_tokens", "val_tokens", "tokenizer")
                 if getattr(args, o) is not None]
     dl_only = [o for o in ("train_shards", "base_url") if getattr(args, o) is not None]
     if args.stdlib is not None and (args.tokenize or tok_only or dl_only):
-        p.error(f"--stdlib builds the built-in corpus; --{'tokenize' if args.tokenize else (tok_only + dl_only)[0]} "
+        return (f"--stdlib builds the built-in corpus; --{'tokenize' if args.tokenize else (tok_only + dl_only)[0]} "
                 f"does not apply to it")
     if args.tokenize and dl_only:
-        p.error(f"--{dl_only[0]} is for downloads, not --tokenize")
+        return f"--{dl_only[0]} is for downloads, not --tokenize"
     if not args.tokenize and tok_only:
-        p.error(f"--{tok_only[0]} only applies with --tokenize")
+        return f"--{tok_only[0]} only applies with --tokenize"
     if args.tokenize and not args.data_dir:
-        p.error("--tokenize needs --data_dir (where to write the shards)")
+        return "--tokenize needs --data_dir (where to write the shards)"
+    return None
+
+
+def main(argv=None):
+    p = build_parser()
+    args = p.parse_args(argv)
+    error = mode_error(args)
+    if error:
+        p.error(error)
     try:
         if args.stdlib is not None:
             build_corpus(args.data_dir or "data/stdlib", args.stdlib or None, args.workers)

@@ -28,7 +28,8 @@ def parse_args(argv=None):
     p.add_argument("--temperature", type=float, default=0.8, help="0 for greedy decoding")
     p.add_argument("--top_k", type=int, default=200, help="sample among the k likeliest tokens only")
     p.add_argument("--seed", type=int, default=1, help="the same seed gives the same samples")
-    p.add_argument("--tokenizer", default=None, help="a .tiktoken ranks file (default: tokenizer/gpt2.tiktoken, GPT-2's)")
+    p.add_argument("--tokenizer", default=None, help="a .tiktoken ranks file "
+                                                     "(default: tokenizer/gpt2.tiktoken, GPT-2's)")
     p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                    help="autocast dtype of the forward pass (default: bfloat16 on cuda, float32 on cpu)")

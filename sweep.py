@@ -527,7 +527,8 @@ def describe(label, runs, ref_label, ref_full):
     budgets, seeds = budget_curve(runs)
     out.update(budget_seeds=seeds, target_seeds=[r.seed for r in ref_full])
     out["budgets"] = {str(t): {"max_steps": m, "seeds": seeds, "mean_final_val_loss": mean_or_none(rs),
-                               "seeds_left_out": sorted(r.seed for r in runs if r.max_steps == m and r.seed not in seeds)}
+                               "seeds_left_out": sorted(r.seed for r in runs
+                                                        if r.max_steps == m and r.seed not in seeds)}
                       for t, rs in budgets.items() for m in [t // full[0].tokens_per_step]}
     if label != ref_label:  # the reference against itself would be 1 by definition
         out.update(token_ratio=token_ratio(ref_full, full), token_ratio_ci95=bootstrap(token_ratio, ref_full, full))
@@ -568,8 +569,8 @@ def markdown(rep):
     """The report as a markdown table."""
     f = lambda x, fmt=".4f": "–" if x is None else format(x, fmt)
     ci = lambda c, fmt=".4f": "–" if c is None else f"[{f(c[0], fmt)}, {f(c[1], fmt)}]"
-    lines = ["| variant | seeds | final val loss, mean ± std | 95% CI | Δ vs reference (paired) | Δ 95% CI | resolved "
-             "| token ratio | 95% CI | budget ratio | 95% CI |", "|" + "---|" * 11]
+    lines = ["| variant | seeds | final val loss, mean ± std | 95% CI | Δ vs reference (paired) | Δ 95% CI "
+             "| resolved | token ratio | 95% CI | budget ratio | 95% CI |", "|" + "---|" * 11]
     for label, e in rep.items():
         delta = "reference" if e["reference"] else f(e.get("delta_mean"), "+.4f")
         resolved = {True: "yes", False: "no", None: "–"}[e.get("resolved")]
@@ -613,7 +614,8 @@ def plot_report(rep, full_runs, path):
             line, = ax.plot(tokens, losses.mean(0), label=f"{label} ({len(runs)} seeds)")
             ax.fill_between(tokens, losses.min(0), losses.max(0), color=line.get_color(), alpha=0.2)
     end = max(r.max_steps * r.tokens_per_step for runs in full_runs.values() for r in runs) / 1e6
-    late = [l for runs in full_runs.values() for r in runs for s, l in r.curve if s * r.tokens_per_step / 1e6 >= 0.7 * end]
+    late = [l for runs in full_runs.values() for r in runs for s, l in r.curve
+            if s * r.tokens_per_step / 1e6 >= 0.7 * end]
     for ax, title in zip(axes, ("validation loss (mean over seeds; band: min to max)", "the last 30%")):
         ax.axhline(target, color="gray", ls="--", lw=0.8, label="target: the reference's mean final loss")
         ax.set(title=title, xlabel="tokens (millions)", ylabel="validation loss")
@@ -644,8 +646,8 @@ def write_report(run_dirs, reference=None, out=None):
 
 # ----------------------------------------------------------------------------- command line
 
-def parse_args(argv):
-    """(sweep options, train.py overrides, configs) of a sweep's command line."""
+def build_parser():
+    """The sweep's own options; every other --key=value is a train.py key (parse_args passes it on)."""
     p = argparse.ArgumentParser(description="Variants x seeds as train.py runs, and their report", allow_abbrev=False,
                                 epilog="Every other --key=value is a train.py key and goes to every run.")
     p.add_argument("configs", nargs="*", help="one variant each: a config file, or files joined by '+'")
@@ -666,6 +668,12 @@ def parse_args(argv):
     p.add_argument("--report", nargs="+", metavar="RUN_DIR", help="only compare these run directories")
     p.add_argument("--reference", default=None, help="the report's reference variant (default: the first)")
     p.add_argument("--out", default=None, help="the report's JSON (default: OUT_DIR/report.json)")
+    return p
+
+
+def parse_args(argv):
+    """(sweep options, train.py overrides, configs) of a sweep's command line."""
+    p = build_parser()
     args, rest = p.parse_known_args(argv)
     args.configs += [a for a in rest if not a.startswith("-")]  # configs given after a train.py key
     rest = [a for a in rest if a.startswith("-")]
@@ -718,7 +726,8 @@ def main(argv=None):
                 sys.exit(PREEMPTED)
             if failed:
                 sys.exit(f"sweep.py: error: {len(failed)} run(s) failed: {', '.join(r.name for r in failed)}")
-        return write_report([r.dir for r in runs], args.reference, args.out or os.path.join(args.out_dir, "report.json"))
+        return write_report([r.dir for r in runs], args.reference,
+                            args.out or os.path.join(args.out_dir, "report.json"))
     except (ValueError, FileNotFoundError) as e:
         sys.exit(f"sweep.py: error: {e}")
 
