@@ -544,7 +544,7 @@ def mean_or_none(runs):
 
 def report(run_dirs, reference=None):
     """({label: entry}, {label: full-budget runs}) for the finished runs among run_dirs, the reference first
-    (the README's Results defines each number); unfinished runs are left out with a note."""
+    (docs/STUDY.md and REFERENCE.md's Sweeps define each number); unfinished runs are left out with a note."""
     runs = []
     for d in run_dirs:
         r = read_run(d)
