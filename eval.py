@@ -208,26 +208,33 @@ def loglikelihoods(model, pairs, batch_size=32, dtype=torch.float32, desc=None, 
     with tqdm(total=len(reqs), desc=desc, unit="req", disable=desc is None) as bar:
         for s in range(0, len(order), batch_size):
             batch = [reqs[i] for i in order[s:s + batch_size]]
-            x = torch.zeros((len(batch), len(batch[0][0])), dtype=torch.long)  # pad with token 0
-            for r, (inp, _) in enumerate(batch):
-                x[r, :len(inp)] = torch.tensor(inp)
-            with amp:
-                h = model.features(x.to(device))
-                # lm_head only at the positions that predict a continuation: most of a request is context
-                rows = torch.cat([h[r, len(inp) - len(cont):len(inp)] for r, (inp, cont) in enumerate(batch)])
-                logits = model.lm_head(rows)
-            targets = torch.tensor([t for _, cont in batch for t in cont], device=device)
-            logits = logits.float()  # float32, whatever autocast
-            logp = F.log_softmax(logits, dim=-1).gather(-1, targets[:, None])[:, 0]
-            lens = [len(cont) for _, cont in batch]
-            sums = torch.stack([part.sum() for part in logp.split(lens)]).tolist()  # float32 sums, as the harness
-            if greedy:  # the harness's is_greedy: an argmax over the vocabulary, only when asked for
-                hits = [bool(part.all()) for part in (logits.argmax(-1) == targets).split(lens)]
-                sums = list(zip(sums, hits))
-            for i, ll in zip(order[s:s + batch_size], sums):
+            for i, ll in zip(order[s:s + batch_size], score_batch(model, batch, amp, device, greedy)):
                 lls[i] = ll
             bar.update(len(batch))
     return [lls[j] for j in which]
+
+
+def score_batch(model, batch, amp, device, greedy):
+    """loglikelihoods' results for one batch of distinct (input, continuation) requests, longest first: padded on
+    the right with token 0, the sum of each continuation's log p in float32 (with greedy, and whether each is the
+    argmax)."""
+    x = torch.zeros((len(batch), len(batch[0][0])), dtype=torch.long)
+    for r, (inp, _) in enumerate(batch):
+        x[r, :len(inp)] = torch.tensor(inp)
+    with amp:
+        h = model.features(x.to(device))
+        # lm_head only at the positions that predict a continuation: most of a request is context
+        rows = torch.cat([h[r, len(inp) - len(cont):len(inp)] for r, (inp, cont) in enumerate(batch)])
+        logits = model.lm_head(rows)
+    targets = torch.tensor([t for _, cont in batch for t in cont], device=device)
+    logits = logits.float()  # float32, whatever autocast
+    logp = F.log_softmax(logits, dim=-1).gather(-1, targets[:, None])[:, 0]
+    lens = [len(cont) for _, cont in batch]
+    sums = torch.stack([part.sum() for part in logp.split(lens)]).tolist()  # float32 sums, as the harness
+    if greedy:  # the harness's is_greedy: an argmax over the vocabulary, only when asked for
+        hits = [bool(part.all()) for part in (logits.argmax(-1) == targets).split(lens)]
+        return list(zip(sums, hits))
+    return sums
 
 
 def mean_stderr(xs):
