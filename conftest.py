@@ -1,10 +1,33 @@
 """Shared test fixtures: a small GPT-2-style tokenizer built here (fast to load, with few enough ids for tiny
 models), a closed network, what tests that need root or Debian's packages do without them, and the toy shards and
-the unbroken 2-process run that several modules' training tests share, made once per session."""
+the unbroken 2-process run that several modules' training tests share, made once per session (made_once: once for
+all of pytest-xdist's workers, which pytest.ini starts, one per CPU)."""
 import base64
+import fcntl
 import os
+import shutil
 
 import pytest
+
+
+def pytest_xdist_auto_num_workers(config):
+    """pytest.ini's `-n auto`: a worker per CPU that this process may use (a container's or a Slurm job's share, which
+    sched_getaffinity gives; pytest-xdist would count the machine's)."""
+    return len(os.sched_getaffinity(0))
+
+
+def pytest_configure(config):
+    """inductor compiles in the process that asks: its pool of compile processes, each importing torch, costs more to
+    start than it saves on the tests' small graphs (12 processes, about 25 CPU-s of the suite on 2 cores). In a worker,
+    torch's threads, in it and in every process its tests start (torchrun's, mp.spawn's), are its share of the CPUs:
+    N workers would otherwise start N threads a process for N cores, which spin as they wait for each other."""
+    os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", 0))
+    if workers:
+        os.environ["OMP_NUM_THREADS"] = str(max(1, len(os.sched_getaffinity(0)) // workers))
+        import torch
+        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
 
 # Byte-level ranks plus a few English merges, so that tokens span several bytes and
 # context/continuation splits are non-trivial. Each merge is reachable from two existing tokens.
@@ -82,6 +105,28 @@ def closed_network():
 
 # ----------------------------------------------------------------------------- shared by the training tests
 
+def made_once(tmp_path_factory, name, make):
+    """The folder `name`, which make(folder) fills once for the whole session: by the first of pytest-xdist's workers
+    that asks (the others wait for it, and read the same folder), or in this process without workers. For what tests
+    only read; a make that fails leaves no folder, and the next worker that asks tries again."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # the session's folder, above each worker's own
+    folder, made = root / name, root / f"{name}.made"
+    with open(root / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released as the file closes
+        if not made.exists():
+            shutil.rmtree(folder, ignore_errors=True)
+            folder.mkdir()
+            try:
+                make(folder)
+            except BaseException:
+                shutil.rmtree(folder, ignore_errors=True)
+                raise
+            made.touch()
+    return str(folder)
+
+
 def in_process(main, argv, capsys):
     """A tool's main(argv) in this process, where no process is the subject: (its value, or the SystemExit it raised;
     its stdout; its stderr)."""
@@ -113,17 +158,19 @@ def write_toy_shards(d):
 
 @pytest.fixture(scope="session")
 def toy_shards(tmp_path_factory):
-    """The toy shards, written once for every module (tests only read them)."""
-    return write_toy_shards(tmp_path_factory.mktemp("toy_shards"))
+    """The toy shards, written once for every module and worker (tests only read them)."""
+    return made_once(tmp_path_factory, "toy_shards", write_toy_shards)
 
 
 @pytest.fixture(scope="session")
 def unbroken(toy_shards, tmp_path_factory):
     """The run of 2 processes under torchrun (test_faults.args: 40 steps, a checkpoint every 5, and a branch point at
     step 16) that every run broken by a fault, on one host, two or a Slurm node, must end up equal to; made once for
-    every module that compares with it, and only read."""
+    every module and worker that compares with it, and only read."""
     from test_faults import TORCHRUN, args, run  # the fault tests' command and settings, whose runs it anchors
-    out = str(tmp_path_factory.mktemp("unbroken"))
-    code, _, err = run(TORCHRUN + ["train.py", *args(toy_shards, out, "--keep_full=16")])
-    assert code == 0, err[-3000:]
-    return out
+
+    def make(out):
+        code, _, err = run(TORCHRUN + ["train.py", *args(toy_shards, str(out), "--keep_full=16")])
+        assert code == 0, err[-3000:]
+
+    return made_once(tmp_path_factory, "unbroken", make)

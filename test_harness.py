@@ -35,6 +35,13 @@ def offline_env(hf_home):
             "HF_DATASETS_CACHE": str(hf_home / "datasets"), "TRANSFORMERS_OFFLINE": "1"}
 
 
+def without_env_info(mp):
+    """lm_eval's record of the machine in each result (pip list, compilers, GPUs: 2.4 s an evaluation on 2 CPU cores),
+    which no test reads, left out (mp: a pytest.MonkeyPatch)."""
+    import lm_eval.evaluator
+    mp.setattr(lm_eval.evaluator, "add_env_info", lambda results: None)
+
+
 def write_tasks(folder, data_dir):
     """A YAML per task that includes the harness's own and reads the local JSON lines instead of the Hub; and a
     loglikelihood_rolling task over TEXTS (as the harness's wikitext)."""
@@ -69,6 +76,7 @@ def harness(tmp_path_factory):
             mp.setenv(k, v)  # read when the datasets library is imported, below
         import lm_eval
         from lm_eval.tasks import TaskManager
+        without_env_info(mp)
         small_data(str(root / "data"), n_eval=N_DOCS, n_pool=N_DOCS)
         write_tasks(str(root / "tasks"), str(root / "data"))
         yield lm_eval, TaskManager(include_path=str(root / "tasks"), include_defaults=False), root

@@ -166,13 +166,14 @@ def test_the_model_cards_three_lines_run(tf, tmp_path, enc_file):
 def test_lm_eval_hf_model_gives_eval_pys_accuracies(tf, tmp_path, enc, enc_file):
     pytest.importorskip("lm_eval")
     pytest.importorskip("accelerate")
-    from test_harness import offline_env, write_tasks
+    from test_harness import offline_env, without_env_info, write_tasks
     with pytest.MonkeyPatch.context() as mp:
         for k, v in offline_env(tmp_path / "hfhome").items():
             mp.setenv(k, v)
         import lm_eval
         from lm_eval.models.huggingface import HFLM
         from lm_eval.tasks import TaskManager
+        without_env_info(mp)
         small_data(str(tmp_path / "data"), n_eval=12, n_pool=12)
         write_tasks(str(tmp_path / "tasks"), str(tmp_path / "data"))
         model = tiny("dyn_exo", seed=3, block_size=64)

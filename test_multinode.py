@@ -21,6 +21,9 @@ from conftest import needs
 from test_faults import LIMIT, args, finish, kill_at_once, start, wait_for_step, workers
 from test_train import assert_same_run, read_log
 
+# one pytest-xdist worker runs these tests, in order: its two hosts, made once for them all
+pytestmark = pytest.mark.xdist_group("hosts")
+
 
 def namespace_made():
     """Whether `ip netns add` makes a network namespace here (as root in a container, it needs NET_ADMIN): a

@@ -26,6 +26,9 @@ from test_faults import ENV, LIMIT, args, environ, kill_at_once, ranks, wait_for
 from test_sweep import sweep_args
 from test_train import ROOT, assert_same_run, read_log
 
+# one pytest-xdist worker runs these tests, in order: its one cluster, started once for them all
+pytestmark = pytest.mark.xdist_group("slurm")
+
 DAEMONS = "/usr/sbin"  # where Debian's munge and slurm-wlm put munged, slurmctld and slurmd
 COMMANDS = ("sbatch", "squeue", "scontrol", "scancel", "sinfo")
 MISSING = "needs root (it starts munged, slurmctld and slurmd)" if os.geteuid() else next(
