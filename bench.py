@@ -33,7 +33,6 @@ import time
 from dataclasses import dataclass, field, replace
 
 import torch
-from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
@@ -234,7 +233,7 @@ class CollectiveBytes(TorchDispatchMode):
 
 def local_bytes(tensors):
     """The bytes this rank holds of tensors: a DTensor's own shard."""
-    return sum((t.to_local() if isinstance(t, DTensor) else t).nbytes for t in tensors if torch.is_tensor(t))
+    return sum(t.nbytes for t in sharding.local(t for t in tensors if torch.is_tensor(t)))
 
 
 def rank_table(runs, x, y, env):

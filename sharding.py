@@ -16,20 +16,16 @@ import mmap
 import os
 import pickle
 import shutil
+import sys
 import warnings
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
-                                                     set_model_state_dict, set_optimizer_state_dict)
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor, Shard, distribute_tensor
-from torch.distributed.tensor import zeros as distributed_zeros
+
+# torch's FSDP, DTensor and DCP are imported by the functions here that use them: importing them costs about 1 CPU-s
+# a process (DTensor's shape propagation pulls in sympy; measured on 2 cores, torch 2.13.0), which every run, tool
+# and test that never shards would pay. Until they are imported, no tensor is a DTensor and no module is FSDP's.
 
 from files import atomic_write, fsync_dir
 from model import GPTConfig, check_state
@@ -47,6 +43,8 @@ def fully_shard_model(model, worker):
     the optimisers update, stay fp32. FSDP reduce-scatters every micro-step's gradients into the shards (its default,
     as torchtitan's): holding them unsharded until the last would keep 4 bytes a parameter on every rank, what FSDP
     is there to save."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     mesh = init_device_mesh(torch.device(worker.device).type, (worker.world_size,))
     bf16 = worker.runtime.dtype == torch.bfloat16
     shard = dict(mesh=mesh, mp_policy=MixedPrecisionPolicy(torch.bfloat16, torch.float32) if bf16 else
@@ -81,7 +79,8 @@ def check_optimizers(model, optimizers):
 def reshard(model):
     """Every FSDP unit of model back to its shards, as the checkpoint functions need them; whether there is any (a
     sharded model). A unit leaves its parameters gathered after a forward without backward (the root's, always)."""
-    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    fsdp = sys.modules.get("torch.distributed.fsdp")  # not imported: nothing is sharded
+    units = [m for m in model.modules() if isinstance(m, fsdp.FSDPModule)] if fsdp else []
     for unit in units:
         unit.reshard()
     return bool(units)
@@ -89,25 +88,27 @@ def reshard(model):
 
 def is_sharded(tensor):
     """Whether a parameter (or optimiser state) is FSDP's: a DTensor, of whose rows this rank holds a shard."""
-    return isinstance(tensor, DTensor)
+    dtensor = sys.modules.get("torch.distributed.tensor")  # not imported: no tensor is a DTensor
+    return dtensor is not None and isinstance(tensor, dtensor.DTensor)
 
 
 def local(tensors):
     """This rank's part of each tensor: a DTensor's local shard, any other tensor itself."""
-    return [t.to_local() if isinstance(t, DTensor) else t for t in tensors]
+    return [t.to_local() if is_sharded(t) else t for t in tensors]
 
 
 def zeros(shape, like):
     """Zeros of shape on like's device; sharded by rows over like's ranks when like is a DTensor, so that DCP
     reshards them with it."""
-    if isinstance(like, DTensor):
+    if is_sharded(like):
+        from torch.distributed.tensor import Shard, zeros as distributed_zeros
         return distributed_zeros(shape, device_mesh=like.device_mesh, placements=[Shard(0)])
     return torch.zeros(shape, device=like.device)
 
 
 def full_value(t):
     """A tensor's whole value on every rank (a DTensor's is gathered: the gradient norm of clipping, say)."""
-    return t.full_tensor() if isinstance(t, DTensor) else t
+    return t.full_tensor() if is_sharded(t) else t
 
 
 # ----------------------------------------------------------------------------- Muon under FSDP: whole matrices
@@ -233,6 +234,7 @@ class _MetadataUnpickler(pickle.Unpickler):
 def _metadata(path):
     """The DCP metadata of a sharded checkpoint, read with _MetadataUnpickler; a one-line error if it is not one,
     or if it holds anything but tensors."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
     try:
         with open(os.path.join(path, ".metadata"), "rb") as f:
             metadata = _MetadataUnpickler(f).load()
@@ -247,6 +249,7 @@ def _metadata(path):
 def _dcp_load(state, path, alone=False):
     """dcp.load of path into the tensors of state, in place: by all the ranks of the process group, or in this
     process alone (alone=True, or without a group), which DCP warns of though it is what is meant."""
+    import torch.distributed.checkpoint as dcp
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is (disabled|unavailable)")
         dcp.load(state, checkpoint_id=path, no_dist=alone or not dist.is_initialized())
@@ -290,6 +293,7 @@ def load_whole(path, keys=("model", "model_config")):
 def _state_dict(part, model):
     """A resumable part's state, as a sharded checkpoint holds it: the model's and each optimiser's by parameter name
     (torch's distributed state-dict functions; an optimiser with no state yet gets it, from a step at lr 0)."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
     if part is model:
         return get_model_state_dict(model)
     if _is_optimizers(part):
@@ -328,6 +332,8 @@ def save(path, parts, header, master):
     Written in path.tmp, then swapped in by two renames (path -> path.old, path.tmp -> path) and path.old removed, so
     that a stop or a full disk mid-write leaves the previous checkpoint whole (resume_path completes a swap cut
     between the renames). A rank's OSError (a full disk) is raised on every rank."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
     tmp, old = path + ".tmp", path + ".old"
     if master and os.path.exists(tmp):
         shutil.rmtree(tmp)  # a write that was cut short
@@ -375,6 +381,8 @@ def restore(ckpt, parts):
     """Every part ({name: part}, the model first) from ckpt when either is sharded: a sharded checkpoint (read_state's)
     into any model, sharded or whole (DCP reshards it into what each part holds now), or a whole one into a sharded
     model (torch's distributed state-dict functions; a part's DTensors get their shards)."""
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
+                                                         set_optimizer_state_dict)
     model = parts["model"]
     reshard(model)
     optimizers = [name for name, part in parts.items() if _is_optimizers(part)]
@@ -425,7 +433,8 @@ def _shard_like(whole, current):
     DTensor under FSDP), to load into a sharded run."""
     if isinstance(whole, dict):
         return {k: _shard_like(v, current.get(k) if isinstance(current, dict) else None) for k, v in whole.items()}
-    if isinstance(current, DTensor):
+    if is_sharded(current):
+        from torch.distributed.tensor import distribute_tensor
         return distribute_tensor(whole.to(current.device_mesh.device_type), current.device_mesh, current.placements)
     return whole
 
@@ -443,11 +452,12 @@ def save_weights(path, model, header, master):
     """The weights-only checkpoint of a sharded model ({"model": its tensors, **header}), gathered one tensor at a
     time, every rank taking part (each holds at most one whole matrix at a time), and streamed by rank 0 into the
     file (write_streamed)."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
     tensors = get_model_state_dict(model)
 
     def fill(mapped):
         for name, t in tensors.items():
-            whole = t.full_tensor() if isinstance(t, DTensor) else t
+            whole = full_value(t)
             if mapped is not None:
                 mapped[name].copy_(whole)
             del whole  # before the next one is gathered
