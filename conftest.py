@@ -127,6 +127,18 @@ def made_once(tmp_path_factory, name, make):
     return str(folder)
 
 
+def spawn(fn, args, nprocs):
+    """torch.multiprocessing.spawn(fn, args, nprocs=nprocs), its processes forked from a server that imported fn's
+    module once (multiprocessing's forkserver), instead of each importing torch and the test modules anew (about 3
+    CPU-s a process on 2 cores). The server computes nothing, so a fork of it holds no OpenMP threads (a fork of
+    pytest's own process can deadlock in them)."""
+    import multiprocessing
+
+    import torch.multiprocessing as mp
+    multiprocessing.set_forkserver_preload([fn.__module__])  # read as the server starts: once a process
+    mp.start_processes(fn, args=args, nprocs=nprocs, start_method="forkserver")
+
+
 def in_process(main, argv, capsys):
     """A tool's main(argv) in this process, where no process is the subject: (its value, or the SystemExit it raised;
     its stdout; its stderr)."""

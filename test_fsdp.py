@@ -20,7 +20,6 @@ from dataclasses import asdict
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 import checkpoint
@@ -31,7 +30,7 @@ import sharding
 import train
 from checkpoint import load_checkpoint, load_model, load_resumable
 from configurator import read_args
-from conftest import made_once, needs
+from conftest import made_once, needs, spawn
 from model import GPT, GPTConfig
 from test_faults import TORCHRUN, finish, run, start, wait_for_step, workers
 from test_model import randomize, tokens, variant
@@ -434,7 +433,7 @@ def test_sharded_muon_and_fsdp_gradients_equal_the_unsharded_ones_bit_for_bit(wo
     for bit (the gradients at 3 ranks to fp32 rounding): the owner of each matrix runs the unsharded code on it
     whole, and everything else is elementwise."""
     names = ["dyn_exo", "nuresformer_e"]
-    mp.spawn(_sharded_step_worker, args=(world, free_port(), names, str(tmp_path / "r")), nprocs=world)
+    spawn(_sharded_step_worker, (world, free_port(), names, str(tmp_path / "r")), world)
     found = torch.load(tmp_path / "r", weights_only=True)
     for name in names:
         diffs, stepped, shapes = found[name]
@@ -480,7 +479,7 @@ def test_the_export_of_a_sharded_model_equals_its_own_logits(tmp_path, enc_file)
     tokenizers."""
     missing = [m for m in ("safetensors", "tokenizers") if not importlib.util.find_spec(m)]
     needs(missing and f"needs {' and '.join(missing)} (pip install -r requirements-test.txt)")
-    mp.spawn(_export_worker, args=(2, free_port(), str(tmp_path), torch.float32), nprocs=2)
+    spawn(_export_worker, (2, free_port(), str(tmp_path), torch.float32), 2)
     result = torch.load(tmp_path / "r", weights_only=True)
     assert result["dtypes"] == {torch.float32} and len(result["alive"]) > 10 and set(result["alive"]) == {0}
     convert.convert(str(tmp_path / "ckpt.dcp"), str(tmp_path / "converted.pt"))
@@ -503,7 +502,7 @@ def test_bf16_gathers_bf16_weights_and_keeps_fp32_shards(data_dir, tmp_path):
     log = read_log(out)
     assert log[-1]["val_loss"] < log[0]["val_loss"] - 0.2, log
     assert {v.dtype for v in final(out)["model"].values()} == {torch.float32}
-    mp.spawn(_bf16_worker, args=(free_port(), str(tmp_path / "dtypes")), nprocs=2)
+    spawn(_bf16_worker, (free_port(), str(tmp_path / "dtypes")), 2)
     assert torch.load(tmp_path / "dtypes", weights_only=True) == {"forward": {torch.bfloat16},
                                                                   "shards": {torch.float32}, "grads": {torch.float32}}
 

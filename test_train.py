@@ -19,7 +19,6 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
 
@@ -30,7 +29,7 @@ import runlog
 import train
 from checkpoint import load_checkpoint
 from configurator import load_config
-from conftest import in_process
+from conftest import in_process, spawn
 from data import write_shard
 from model import EOT, GPT, GPTConfig, flops_per_token
 from optim import Muon, polar_express
@@ -246,7 +245,7 @@ def one_process_torchrun(monkeypatch):
 def test_sharded_muon_equals_unsharded(tmp_path):
     # three matrices of one shape (uneven split over 2 ranks), two of another, one alone
     shapes = [(16, 8), (16, 8), (16, 8), (8, 24), (8, 24), (4, 4)]
-    mp.spawn(_sharded_muon_worker, args=(free_port(), shapes, str(tmp_path / "r")), nprocs=2)
+    spawn(_sharded_muon_worker, (free_port(), shapes, str(tmp_path / "r")), 2)
     torch.manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(s)) for s in shapes]
     steps = [[torch.randn(s) for s in shapes] for _ in range(3)]
