@@ -20,6 +20,7 @@ from dataclasses import asdict
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint  # sharding.py imports it only where it is used
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 import checkpoint
