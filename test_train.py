@@ -114,7 +114,8 @@ def muon_step(params, grads, weight_decay, lr=0.05):
 
 @pytest.mark.quick
 def test_muon_matches_the_spec_written_out():
-    """Three steps of Muon on one tall and one wide matrix against the recipe written out line by line."""
+    """Pins the recipe: three steps of Muon on one tall and one wide matrix against the recipe written out line by
+    line."""
     torch.manual_seed(0)
     lr, mu, beta2, wd = 0.05, 0.9, 0.95, 0.1
     for shape in [(24, 8), (8, 24)]:
@@ -480,7 +481,8 @@ def test_resume_is_bitwise_identical(data, tmp_path, monkeypatch, request):
 
 
 def test_a_cooldown_branched_from_a_longer_run_equals_a_run_of_its_own_length(data_dir, tmp_path, capsys):
-    """Branching a cooldown (Hagele et al. 2024, the README's budget-matched measure): the 12-step run keeps a
+    """Pins the recipe (its linear cooldown, at which the 8 and 12-step schedules agree before step 7).
+    Branching a cooldown (Hagele et al. 2024, the README's budget-matched measure): the 12-step run keeps a
     resumable checkpoint of step 6 (keep_full), and --init_from=<it> --max_steps=8 into a new directory ends bit for
     bit as an 8-step run from scratch, log included (it begins with the parent's, up to step 6), since both
     schedules are the same before step 6 (they part at step 7, the 8-step run's last). A branch point where they
