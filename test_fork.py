@@ -196,15 +196,12 @@ def test_every_recipe_applies_at_its_own_line_numbers():
 
 
 def failed_tests(junit):
-    """(the tests that ran, those that failed or erred) of a pytest --junitxml report, as file::name (parameters
-    dropped)."""
-    ran, failed = set(), set()
-    for case in ElementTree.parse(junit).getroot().iter("testcase"):
-        test = f"{case.get('classname').replace('.', '/')}.py::{case.get('name').split('[')[0]}"
-        ran.add(test)
-        if case.find("failure") is not None or case.find("error") is not None:
-            failed.add(test)
-    return ran, failed
+    """(how many tests ran, those that ran, those that failed or erred) of a pytest --junitxml report, each test as
+    file::name (its parameters dropped)."""
+    cases = list(ElementTree.parse(junit).getroot().iter("testcase"))
+    name = lambda case: f"{case.get('classname').replace('.', '/')}.py::{case.get('name').split('[')[0]}"
+    failed = {name(c) for c in cases if c.find("failure") is not None or c.find("error") is not None}
+    return len(cases), {name(c) for c in cases}, failed
 
 
 @pytest.mark.parametrize("number", [1, 2, 3, 4, 5, 6])
@@ -221,10 +218,10 @@ def test_a_recipes_quick_check_fails_only_the_tests_it_names(number, tmp_path):
     r = subprocess.run([sys.executable, *QUICK, f"--junitxml={tmp_path / 'quick.xml'}",
                         f"--basetemp={tmp_path / 'tmp'}"], cwd=fork, env=env, capture_output=True, text=True)
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    ran, failed = failed_tests(tmp_path / "quick.xml")
+    count, ran, failed = failed_tests(tmp_path / "quick.xml")
     cpu = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
-    print(f"recipe {number}: the quick check of {len(ran)} tests took {cpu:.0f} CPU-s")  # -s shows it
-    assert len(ran) > 100 and failed == set(pinned()[0][number]) & ran, r.stdout[-3000:]
+    print(f"recipe {number}: the quick check of {count} tests took {cpu:.0f} CPU-s")  # -s shows it
+    assert count > 100 and failed == set(pinned()[0][number]) & ran, r.stdout[-3000:]
 
 
 def test_torch_muon_behind_a_key_resumes_exactly_and_the_key_is_kept(data_dir, tmp_path, monkeypatch, capsys):
