@@ -19,7 +19,7 @@ import signal
 import sys
 
 from torch.distributed import run as torchrun
-from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
 from torch.distributed.launcher import api
 
 from parallel import PREEMPTED, STOP_SIGNALS
@@ -60,8 +60,9 @@ def main(argv):
     for s in STOP_SIGNALS:
         signal.signal(s, pass_on)
     handled = [f"--signals_to_handle={','.join(s.name for s in (signal.SIGHUP, signal.SIGQUIT))}"]  # the rest: ours
+    args = torchrun.parse_args(handled + argv)  # a --signals_to_handle in argv comes later, and wins
     try:
-        torchrun.main(handled + argv)  # a --signals_to_handle in argv comes later, and wins
+        record(torchrun.run)(args)  # torchrun's main, its arguments read outside record (which swallows --help's exit)
     except ChildFailedError as e:
         if all(f.exitcode == PREEMPTED for f in e.failures.values()):
             sys.exit(PREEMPTED)

@@ -3,6 +3,7 @@ and run in this process: the changed run, stopped by a SIGTERM at an evaluation 
 as the same changed run unbroken (weights, every resumable part, the log). Beside that, what each recipe promises:
 the recipe key refused on resume, the schedule's branch refused, three named optimiser states, the EMA kept on a
 resume that leaves its key out and sharded under FSDP at 2 processes, the new metric in every evaluation's entry."""
+import argparse
 import ast
 import contextlib
 import importlib
@@ -330,5 +331,11 @@ def test_one_more_logged_metric_is_in_every_evaluation_even_the_one_a_stop_left(
         assert all(e["val_loss_no_anchor"] != e["val_loss"] for e in evaluated[1:])
 
 
-if __name__ == "__main__":  # docs/FORKING.md's diffs taken again against today's files
+def main(argv):
+    """`python test_fork.py`: docs/FORKING.md's diffs taken again against today's files."""
+    argparse.ArgumentParser(description=main.__doc__).parse_args(argv)
     print("docs/FORKING.md: " + ("recipes' diffs taken again" if regenerate() else "every diff is today's already"))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
