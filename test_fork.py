@@ -2,7 +2,9 @@
 and run in this process: the changed run, stopped by a SIGTERM at an evaluation step and resumed, ends bit for bit
 as the same changed run unbroken (weights, every resumable part, the log). Beside that, what each recipe promises:
 the recipe key refused on resume, the schedule's branch refused, three named optimiser states, the EMA kept on a
-resume that leaves its key out and sharded under FSDP at 2 processes, the new metric in every evaluation's entry."""
+resume that leaves its key out and sharded under FSDP at 2 processes, the new metric in every evaluation's entry.
+And the page itself: its diffs are today's (`python test_fork.py` takes them again), and each recipe's quick check,
+run on a copy of the repository with the recipe applied, fails exactly the tests that the recipe names."""
 import argparse
 import ast
 import contextlib
@@ -209,8 +211,8 @@ def failed_tests(junit):
 def test_a_recipes_quick_check_fails_only_the_tests_it_names(number, tmp_path):
     """The quick check (the page's command), run on a copy of the repository with the recipe applied, fails exactly
     the quick tests that the recipe's `Tests it changes:` names: the tests of properties (every trained parameter in
-    one optimiser, branch points where schedule() agrees, the reference for every variant, stop and resume bit for
-    bit) hold on it as they hold here."""
+    one optimiser, branch points where schedule() agrees, stop and resume bit for bit) hold on it as they hold here.
+    The inner pytest's CPU time is printed (-s)."""
     fork = copy_of_repository(str(tmp_path / "fork"))
     r = subprocess.run(["git", "apply", "-"], input=recipes()[number], cwd=fork, capture_output=True, text=True)
     assert r.returncode == 0, f"docs/FORKING.md's recipe {number} does not apply: {r.stderr}"
