@@ -328,27 +328,35 @@ def test_optimizers_route_by_role_not_by_shape():
 def test_a_parameter_in_two_optimizers_or_a_trained_one_in_none_is_refused_in_one_line(data_dir, tmp_path,
                                                                                        monkeypatch, capsys):
     """A fork's optimisers that share a parameter (it would be updated twice a step) or miss a trained one (never
-    updated) stop the run before its first step, in one line naming the parameter and the optimisers."""
-    real = train.build_optimizers
+    updated) stop the run before its first step, in one line naming the parameter and the optimisers. Holds for any
+    fork's optimisers: the model's first parameter is given to one more, or its optimiser is left out."""
+    real, expected = train.build_optimizers, []
+    rule = "each trained parameter belongs to exactly one (train.build_optimizers)"
 
-    def twice(model, cfg):  # AdamW's parameters given to a third optimiser as well
+    def first_and_its_optimizer(model, optimizers):
+        name, first = next(iter(model.named_parameters()))
+        return name, first, next(k for k, opt in optimizers.items() for g in opt.param_groups for p in g["params"]
+                                 if p is first)
+
+    def twice(model, cfg):
         optimizers = real(model, cfg)
-        optimizers["lam"] = torch.optim.AdamW([p for g in optimizers["adam"].param_groups for p in g["params"]])
+        name, first, holder = first_and_its_optimizer(model, optimizers)
+        optimizers["extra"] = torch.optim.AdamW([first])
+        expected.append(f"parameter {name} is in 2 optimisers, {holder} and extra: {rule}")
         return optimizers
 
-    def none(model, cfg):  # AdamW left out
+    def none(model, cfg):
         optimizers = real(model, cfg)
-        del optimizers["adam"]
+        name, _, holder = first_and_its_optimizer(model, optimizers)
+        del optimizers[holder]
+        expected.append(f"parameter {name} is trained but in no optimiser ({', '.join(optimizers)}): {rule}")
         return optimizers
 
-    for build, message in [(twice, "parameter wte.weight is in 2 optimisers, adam and lam: each trained parameter "
-                                   "belongs to exactly one (train.build_optimizers)"),
-                           (none, "parameter wte.weight is trained but in no optimiser (muon): each trained "
-                                  "parameter belongs to exactly one (train.build_optimizers)")]:
+    for build in (twice, none):
         monkeypatch.setattr(train, "build_optimizers", build)
         out = tmp_path / build.__name__
         result, _, err = main_output(SMALL + [f"--data_dir={data_dir}", f"--out_dir={out}", "--max_steps=2"], capsys)
-        assert isinstance(result, SystemExit) and str(result.code) == f"train.py: error: {message}", result
+        assert isinstance(result, SystemExit) and str(result.code) == f"train.py: error: {expected[-1]}", result
         assert not out.exists()  # refused before anything is written
 
 
