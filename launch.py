@@ -10,7 +10,8 @@ passed the signal on, waited --shutdown_timeout (30 s) and killed the workers st
 it starts workers that stopped again, so the run goes on. torch has no option for any of these (its run.py); this
 runs torchrun's own main with three changes:
 - a stop signal to this process (parallel.STOP_SIGNALS) is passed on to the workers, which stop after their step with
-  a checkpoint however long that takes; torchrun still handles SIGHUP and SIGQUIT as it does;
+  a checkpoint however long that takes; torchrun still handles SIGHUP and SIGQUIT as it does (they end workers that
+  do not stop: the signal, then SIGKILL after --shutdown_timeout);
 - once a stop signal has come, the workers are not restarted;
 - when every worker that ended early exited 75, this process exits 75 (any other failure: torchrun's 1).
 """
@@ -56,6 +57,7 @@ def pass_on(signum, frame):
 
 
 def main(argv):
+    """torchrun with argv, but for the stop signals, the restarts after a stop and the status after one."""
     api.LocalElasticAgent = Agent
     for s in STOP_SIGNALS:
         signal.signal(s, pass_on)
