@@ -191,6 +191,22 @@ class Optimizers(dict):
                     group[key.removeprefix(f"{name}_")] = scheduled[key]
         return {f"{name}_lr": scheduled[f"{name}_lr"] for name in self}
 
+    def check_params(self, model):
+        """Each trained parameter of model in exactly one of these optimisers: one in two would be updated twice a
+        step, one in none never, and neither fails by itself. A one-line error naming the first such parameter."""
+        holders = {}
+        for name, opt in self.items():
+            for p in {id(p): p for g in opt.param_groups for p in g["params"]}.values():
+                holders.setdefault(id(p), []).append(name)
+        for pname, p in model.named_parameters():
+            where = holders.get(id(p), [])
+            if len(where) > 1:
+                raise ValueError(f"parameter {pname} is in {len(where)} optimisers, {' and '.join(where)}: each "
+                                 f"trained parameter belongs to exactly one (train.build_optimizers)")
+            if not where and p.requires_grad:
+                raise ValueError(f"parameter {pname} is trained but in no optimiser ({', '.join(self)}): each trained "
+                                 f"parameter belongs to exactly one (train.build_optimizers)")
+
     def named(self, states):
         """Saved states by name, checked against these optimisers' names: a missing, extra or renamed one is a
         one-line error. A list (written before optimisers had names: [Muon's, AdamW's]) takes these names in their

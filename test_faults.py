@@ -123,13 +123,31 @@ def test_sigterm_to_rank_0_only_stops_both_ranks_at_one_step_and_auto_finishes_t
     code, _, err = finish(torchrun)
     stops = re.findall(r"train\.py: rank \d: stopped after step (\d+)", err)
     steps = set(stops)
-    assert code != 0 and len(stops) == 2 and len(steps) == 1, err[-3000:]  # both ranks, one step
-    assert "exitcode  : 75" in err  # torchrun's report of the failed worker: the documented status
+    assert len(stops) == 2 and len(steps) == 1, err[-3000:]  # both ranks, one step
+    # torchrun's own status is 1, as for a crash (docs/LONG_RUNS.md; launch.py's is 75); its report of the workers: 75
+    assert code == 1 and "ChildFailedError" in err and "exitcode  : 75" in err, err[-3000:]
     step = int(steps.pop())
     assert 3 <= step < 40 and load_checkpoint(f"{out}/ckpt.pt")["step"] == step
     code, _, err = run(TORCHRUN + ["train.py", *args(data_dir, out)])  # the same command continues it
     assert code == 0, err[-3000:]
     assert_same_run(unbroken, out)
+
+
+def test_launch_py_passes_a_stop_on_restarts_nothing_after_it_and_exits_75(data_dir, tmp_path):
+    """launch.py is torchrun but for what a stop returns: a SIGTERM to it (alone) reaches both workers, which stop
+    after one step with a checkpoint; --max-restarts=1 starts none again; its own status is 75. A worker that fails
+    otherwise still ends it with torchrun's 1."""
+    out = str(tmp_path / "run")
+    launch = [sys.executable, "launch.py", "--standalone", "--nproc_per_node=2", "--max-restarts=1"]
+    proc = start(launch + ["train.py", *args(data_dir, out, "--log_interval=1")])
+    wait_for_step(out, 3, proc)
+    proc.send_signal(signal.SIGTERM)
+    code, _, err = finish(proc)
+    stops = re.findall(r"train\.py: rank \d: stopped after step (\d+) \(SIGTERM\)", err)
+    assert code == parallel.PREEMPTED and len(stops) == 2 and len(set(stops)) == 1, err[-3000:]
+    assert len(read_log(out, configs=True)) == 1 and load_checkpoint(f"{out}/ckpt.pt")["step"] == int(stops[0])
+    code, _, err = run(launch[:-1] + ["train.py", *args(data_dir, out, "--n_layers=2")])  # a bad key: workers exit 1
+    assert code == 1 and "unknown key 'n_layers'" in err, err[-3000:]
 
 
 def test_sigusr1_to_one_process_stops_it_with_status_75_and_a_checkpoint(data_dir, tmp_path):

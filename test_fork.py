@@ -2,14 +2,21 @@
 and run in this process: the changed run, stopped by a SIGTERM at an evaluation step and resumed, ends bit for bit
 as the same changed run unbroken (weights, every resumable part, the log). Beside that, what each recipe promises:
 the recipe key refused on resume, the schedule's branch refused, three named optimiser states, the EMA kept on a
-resume that leaves its key out and sharded under FSDP at 2 processes, the new metric in every evaluation's entry."""
+resume that leaves its key out and sharded under FSDP at 2 processes, the new metric in every evaluation's entry.
+And the page itself: its diffs are today's (`python test_fork.py` takes them again), and each recipe's quick check,
+run on a copy of the repository with the recipe applied, fails exactly the tests that the recipe names."""
+import argparse
+import ast
 import contextlib
 import importlib
 import os
 import re
+import resource
 import shutil
 import subprocess
 import sys
+import tempfile
+from xml.etree import ElementTree
 
 import pytest
 import torch
@@ -25,11 +32,72 @@ MODULES = sorted(f[:-3] for f in os.listdir(ROOT) if f.endswith(".py") and not f
 STEPS = ["--max_steps=6", "--eval_interval=3", "--ckpt_interval=3"]
 
 
+PAGE = os.path.join(ROOT, "docs", "FORKING.md")
+RECIPE = r"^### (\d+)\. [^\n]*\n.*?^```diff\n(.*?)^```"  # ### N. title, then its ```diff block
+QUICK = ["-m", "pytest", "-q", "-n", "0", "-m", "quick", "-p", "no:cacheprovider", "-p", "no:randomly"]
+
+
 def recipes():
     """{number: the diff} of each recipe of docs/FORKING.md (### N. title, then its ```diff block)."""
-    text = open(os.path.join(ROOT, "docs", "FORKING.md"), encoding="utf-8").read()
-    found = dict(re.findall(r"^### (\d+)\. [^\n]*\n.*?^```diff\n(.*?)^```", text, flags=re.M | re.S))
-    return {int(n): diff for n, diff in found.items()}
+    text = open(PAGE, encoding="utf-8").read()
+    return {int(n): diff for n, diff in re.findall(RECIPE, text, flags=re.M | re.S)}
+
+
+def pinned(text=None):
+    """{number: the tests (file::name) that recipe changes}, as each recipe's `Tests it changes:` paragraph names
+    them (after its diff), and {kind of change: the tests} of the page's list of what pins the recipe."""
+    text = text or open(PAGE, encoding="utf-8").read()
+    tests = lambda paragraph: re.findall(r"`(test_\w+\.py::test_\w+)`", paragraph)
+    by_recipe = {int(n): tests(p) for n, p in re.findall(r"^### (\d+)\. .*?^Tests it changes: (.*?)\n\n", text,
+                                                        flags=re.M | re.S)}
+    by_kind = {kind: tests(p) for kind, p in re.findall(r"^- \*\*([^*\n]+)\*\* pins?\s(.*?)(?=\n- \*\*|\n\n)", text,
+                                                       flags=re.M | re.S)}
+    return by_recipe, by_kind
+
+
+def copy_of_repository(to):
+    """The repository's files as a user's clone has them (git's tracked and untracked-not-ignored: no data/, out/)."""
+    files = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
+                           capture_output=True, text=True, check=True).stdout.split("\0")
+    for name in filter(None, files):
+        if os.path.isfile(os.path.join(ROOT, name)):  # a file deleted but not yet staged is listed too
+            os.makedirs(os.path.join(to, os.path.dirname(name)), exist_ok=True)
+            shutil.copy2(os.path.join(ROOT, name), os.path.join(to, name))
+    return to
+
+
+def regenerated(diff):
+    """The diff, applied to today's files (git apply finds each hunk where its context moved) and taken again: the
+    same change, with today's line numbers (2 lines of context, the page's)."""
+    files = re.findall(r"^\+\+\+ b/(\S+)", diff, flags=re.M)
+    with tempfile.TemporaryDirectory() as tmp:
+        os.mkdir(os.path.join(tmp, "new"))
+        for name in files:
+            if os.path.exists(os.path.join(ROOT, name)):
+                os.makedirs(os.path.dirname(os.path.join(tmp, "new", name)), exist_ok=True)
+                shutil.copy(os.path.join(ROOT, name), os.path.join(tmp, "new", name))
+        r = subprocess.run(["git", "apply", "-"], input=diff, cwd=os.path.join(tmp, "new"), capture_output=True,
+                           text=True)
+        if r.returncode:
+            raise ValueError(f"does not apply to today's files: {r.stderr.strip()}")
+        out = ""
+        for name in files:
+            old = os.path.join(ROOT, name) if os.path.exists(os.path.join(ROOT, name)) else "/dev/null"
+            taken = subprocess.run(["git", "diff", "--no-index", "-U2", old, os.path.join(tmp, "new", name)],
+                                   capture_output=True, text=True).stdout
+            body = taken[taken.index("\n@@") + 1:]
+            out += f"--- {'a/' + name if old != '/dev/null' else old}\n+++ b/{name}\n{body}"
+        return out
+
+
+def regenerate():
+    """docs/FORKING.md with each recipe's diff taken again against today's files (`python test_fork.py`)."""
+    text = open(PAGE, encoding="utf-8").read()
+    new = re.sub(RECIPE, lambda m: m[0].replace(m[2], regenerated(m[2])), text, flags=re.M | re.S)
+    with open(PAGE + ".tmp", "w", encoding="utf-8") as f:
+        f.write(new)
+    os.replace(PAGE + ".tmp", PAGE)
+    return new != text
 
 
 def fork_of(number, tmp_path):
@@ -96,13 +164,67 @@ def stopped_and_unbroken(train, args, tmp_path, monkeypatch):
 
 
 @pytest.mark.quick
-def test_every_recipe_applies_and_touches_one_file():
-    """Six recipes; each changes one file, the one its section names."""
+def test_every_recipe_touches_one_file_and_names_the_tests_it_changes():
+    """Six recipes; each changes one file, the one its section names, and says which tests it changes (none, or
+    tests that pin the recipe). Every test the page names exists and says, in its docstring, that it pins the recipe;
+    every test that says so is in the page's list for its kind of change, so that page and tests cannot drift."""
     found = recipes()
     assert sorted(found) == [1, 2, 3, 4, 5, 6]
     for number, diff in found.items():
         files = set(re.findall(r"^\+\+\+ b/(\S+)", diff, flags=re.M))
         assert files == ({"configs/exoformer_v.py"} if number == 5 else {"train.py"}), (number, files)
+    by_recipe, by_kind = pinned()
+    assert sorted(by_recipe) == sorted(found)
+    assert list(by_kind) == ["An optimiser", "The schedule", "A new mechanism", "A resumable part"]
+    docstrings = {}
+    for name in sorted(f for f in os.listdir(ROOT) if f.startswith("test_") and f.endswith(".py")):
+        tree = ast.parse(open(os.path.join(ROOT, name), encoding="utf-8").read())
+        docstrings.update({f"{name}::{f.name}": ast.get_docstring(f) or "" for f in tree.body
+                           if isinstance(f, ast.FunctionDef) and f.name.startswith("test_")})
+    named = {t for tests in [*by_recipe.values(), *by_kind.values()] for t in tests}
+    assert set(t for tests in by_recipe.values() for t in tests) <= set(t for tests in by_kind.values() for t in tests)
+    for test in named:
+        assert "Pins the recipe" in docstrings.get(test, ""), f"docs/FORKING.md names {test}: no such test, or its " \
+                                                              f"docstring does not say `Pins the recipe`"
+    pins = {t for t, doc in docstrings.items() if "Pins the recipe" in doc}
+    assert pins <= named, f"docs/FORKING.md's list of what pins the recipe leaves out {sorted(pins - named)}"
+
+
+def test_every_recipe_applies_at_its_own_line_numbers():
+    """Each recipe's diff is the one that today's files give (git apply would find a moved hunk; a reader of the page
+    should not need to): after a change that moves them, `python test_fork.py` takes the diffs again."""
+    for number, diff in recipes().items():
+        assert regenerated(diff) == diff, f"docs/FORKING.md's recipe {number}: its line numbers are not today's " \
+                                          f"files' (python test_fork.py takes every recipe's diff again)"
+
+
+def failed_tests(junit):
+    """(how many tests ran, those that ran, those that failed or erred) of a pytest --junitxml report, each test as
+    file::name (its parameters dropped)."""
+    cases = list(ElementTree.parse(junit).getroot().iter("testcase"))
+    name = lambda case: f"{case.get('classname').replace('.', '/')}.py::{case.get('name').split('[')[0]}"
+    failed = {name(c) for c in cases if c.find("failure") is not None or c.find("error") is not None}
+    return len(cases), {name(c) for c in cases}, failed
+
+
+@pytest.mark.parametrize("number", [1, 2, 3, 4, 5, 6])
+def test_a_recipes_quick_check_fails_only_the_tests_it_names(number, tmp_path):
+    """The quick check (the page's command), run on a copy of the repository with the recipe applied, fails exactly
+    the quick tests that the recipe's `Tests it changes:` names: the tests of properties (every trained parameter in
+    one optimiser, branch points where schedule() agrees, stop and resume bit for bit) hold on it as they hold here.
+    The inner pytest's CPU time is printed (-s)."""
+    fork = copy_of_repository(str(tmp_path / "fork"))
+    r = subprocess.run(["git", "apply", "-"], input=recipes()[number], cwd=fork, capture_output=True, text=True)
+    assert r.returncode == 0, f"docs/FORKING.md's recipe {number} does not apply: {r.stderr}"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_XDIST", "PYTEST_CURRENT"))}
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    r = subprocess.run([sys.executable, *QUICK, f"--junitxml={tmp_path / 'quick.xml'}",
+                        f"--basetemp={tmp_path / 'tmp'}"], cwd=fork, env=env, capture_output=True, text=True)
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    count, ran, failed = failed_tests(tmp_path / "quick.xml")
+    cpu = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
+    print(f"recipe {number}: the quick check of {count} tests took {cpu:.0f} CPU-s")  # -s shows it
+    assert count > 100 and failed == set(pinned()[0][number]) & ran, r.stdout[-3000:]
 
 
 def test_torch_muon_behind_a_key_resumes_exactly_and_the_key_is_kept(data_dir, tmp_path, monkeypatch, capsys):
@@ -209,3 +331,13 @@ def test_one_more_logged_metric_is_in_every_evaluation_even_the_one_a_stop_left(
         evaluated = [e for e in read_log(resumed) if "val_loss" in e]
         assert [e["step"] for e in evaluated] == [0, 3, 6]  # 3: the evaluation the stop left to the resumed run
         assert all(e["val_loss_no_anchor"] != e["val_loss"] for e in evaluated[1:])
+
+
+def main(argv):
+    """`python test_fork.py`: docs/FORKING.md's diffs taken again against today's files."""
+    argparse.ArgumentParser(description=main.__doc__).parse_args(argv)
+    print("docs/FORKING.md: " + ("recipes' diffs taken again" if regenerate() else "every diff is today's already"))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -116,6 +116,8 @@ def spec_param_count(c):
 
 @pytest.mark.parametrize("path", VARIANT_FILES, ids=os.path.basename)
 def test_param_count_matches_spec_formula(path):
+    """Pins the recipe: the parameter count of every config file against spec_param_count, the paper's formula
+    (a fork's new mechanism adds its parameters there)."""
     config = file_config(path)
     with torch.device("meta"):  # no memory, no time
         model = GPT(config)
@@ -123,6 +125,7 @@ def test_param_count_matches_spec_formula(path):
 
 
 def test_param_count_spec_examples():
+    """Pins the recipe: the paper's four parameter counts (450M and 1B, Gated and Dynamic ExoFormer)."""
     with torch.device("meta"):
         counts = {name: GPT(file_config(os.path.join(CONFIG_DIR, name + ".py"))).num_params()
                   for name in ("gated", "dyn_exo", "gated_1b", "dyn_exo_1b")}
@@ -244,6 +247,8 @@ def reference_logits(model, idx):
 @pytest.mark.quick
 @pytest.mark.parametrize("name,config", VARIANTS, ids=VARIANT_IDS)
 def test_matches_reference_implementation(name, config):
+    """Pins the recipe: the model of every config file against reference_logits, an independent version of
+    each mechanism (a fork's new mechanism extends it)."""
     model = randomize(GPT(config))
     idx = tokens(config)
     with torch.no_grad():

@@ -296,6 +296,7 @@ def test_preempted_the_job_stops_at_one_step_requeues_itself_and_ends_as_an_unbr
     # srun's report of the status that requeues the job: "tasks 0-1: ...", or a line for each task when they end apart
     exited = re.findall(r"tasks? ([\d,-]+): Exited with exit code 75", text)
     assert exited in (["0-1"], ["0", "1"], ["1", "0"]), text[-3000:]
+    assert text.count("train.sbatch: srun exited 75, every rank stopped with a checkpoint: requeued") == 1, text[-3000:]
     assert starts(text) == [(0, list(range(1, step + 1))), (step, list(range(step + 1, 41)))]  # nothing redone
     assert_same_run(unbroken, out)
     print(f"preempted: both ranks stopped after step {step}; the requeued job went on from step {step}")

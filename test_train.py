@@ -113,7 +113,8 @@ def muon_step(params, grads, weight_decay, lr=0.05):
 
 @pytest.mark.quick
 def test_muon_matches_the_spec_written_out():
-    """Three steps of Muon on one tall and one wide matrix against the recipe written out line by line."""
+    """Pins the recipe: three steps of Muon on one tall and one wide matrix against the recipe written out line by
+    line."""
     torch.manual_seed(0)
     lr, mu, beta2, wd = 0.05, 0.9, 0.95, 0.1
     for shape in [(24, 8), (8, 24)]:
@@ -201,6 +202,8 @@ def test_muon_dispatches_per_shape_not_per_matrix():
 
 @pytest.mark.quick
 def test_schedules_at_chosen_steps():
+    """Pins the recipe: the paper's learning-rate multiplier (linear warmup, constant, a linear cooldown over the last
+    20% to a tenth) and Muon's momentum ramps, at chosen steps of the 450M run."""
     c = cfg(max_steps=38_147)  # the paper's run: warmup 1000, decay from step 30517.6 to the end
     assert lr_multiplier(0, c) == pytest.approx(1 / 1000)
     assert lr_multiplier(499, c) == pytest.approx(0.5)
@@ -260,14 +263,38 @@ def test_sharded_muon_equals_unsharded(tmp_path):
             torch.testing.assert_close(a, b.detach(), rtol=0, atol=1e-6)
 
 
+def every_kind_of_parameter():
+    """A small model with every kind of parameter: an exogenous anchor and its norms, elementwise λ, the dynamic
+    mixer, gates, norms, biases."""
+    return GPT(GPTConfig(n_layer=2, n_embd=32, n_head=2, vocab_size=64, block_size=16, gate=True, anchor="exo",
+                         mix="qkvg", granularity="elementwise", anchor_norm=True, dynamic=True))
+
+
 @pytest.mark.quick
-def test_every_parameter_in_exactly_one_optimizer_group():
-    model = GPT(GPTConfig(n_layer=2, n_embd=32, n_head=2, vocab_size=64, block_size=16, gate=True,
-                          anchor="exo", mix="qkvg", granularity="elementwise", anchor_norm=True, dynamic=True))
-    muon, adam = build_optimizers(model, TrainConfig()).values()
+def test_every_trained_parameter_is_in_exactly_one_optimizer():
+    """Holds for any fork, with any number of optimisers: build_optimizers puts each trained parameter in exactly one
+    of them and a frozen one in none, and the engine's own check (Optimizers.check_params) accepts it."""
+    model = every_kind_of_parameter()
+    model.blocks[0].attn.q_norm.weight.requires_grad_(False)  # frozen: in no optimiser
+    optimizers = build_optimizers(model, TrainConfig())
     names = {id(p): n for n, p in model.named_parameters()}
-    muon_names = {names[id(p)] for g in muon.param_groups for p in g["params"]}
-    adam_names = {names[id(p)] for g in adam.param_groups for p in g["params"]}
+    held = [names[id(p)] for opt in optimizers.values() for g in opt.param_groups for p in g["params"]]
+    assert sorted(held) == sorted(n for n, p in model.named_parameters() if p.requires_grad)
+    optimizers.check_params(model)
+
+
+@pytest.mark.quick
+def test_the_recipes_optimizers_are_muon_for_the_linear_weights_and_adamw_for_the_rest():
+    """Pins the recipe: two optimisers, Muon for the weights of the linear layers inside the network (the anchor's
+    projection and the dynamic mixer's too), AdamW for everything else (embedding, lm_head, λ, biases, norms)."""
+    model = every_kind_of_parameter()
+    optimizers = build_optimizers(model, TrainConfig())
+    assert list(optimizers) == ["muon", "adam"]
+    assert type(optimizers["muon"]) is Muon and type(optimizers["adam"]) is torch.optim.AdamW
+    names = {id(p): n for n, p in model.named_parameters()}
+    muon_names, adam_names = ({names[id(p)] for g in optimizers[k].param_groups for p in g["params"]}
+                              for k in ("muon", "adam"))
+    assert muon_names == {names[id(p)] for p in optim.muon_params(model)}
     assert muon_names | adam_names == set(names.values()) and not muon_names & adam_names
     assert "anchor_proj.weight" in muon_names and "blocks.1.attn.dyn.fc2.weight" in muon_names
     assert {"wte.weight", "lm_head.weight", "blocks.0.attn.lam.q1", "blocks.0.attn.dyn.fc2.bias",
@@ -275,23 +302,61 @@ def test_every_parameter_in_exactly_one_optimizer_group():
 
 
 def test_optimizers_route_by_role_not_by_shape():
-    """A fork's extra 2-D parameter (a λ matrix, a table) is not a linear layer: AdamW, not Muon. A linear
-    layer it adds inside the network goes to Muon. The start-up line counts what each optimiser holds."""
+    """A fork's extra 2-D parameter (a λ matrix, a table) is not a linear layer: optim.muon_params leaves it to the
+    other optimisers (AdamW's, in the recipe). A linear layer it adds inside the network goes to Muon. The start-up
+    line counts what each optimiser holds. Holds for any fork: Muon's share is muon_params', whatever else trains."""
     model = GPT(GPTConfig(n_layer=2, n_embd=32, n_head=2, vocab_size=64, block_size=16, gate=True,
                           anchor="exo", mix="v", granularity="elementwise"))
-    muon_before = len(build_optimizers(model, TrainConfig())["muon"].param_groups[0]["params"])
+    muon_before = len(optim.muon_params(model))
     model.blocks[0].attn.register_parameter("lam_table", torch.nn.Parameter(torch.ones(2, 32)))  # 2-D
     model.blocks[1].extra = torch.nn.Linear(32, 32, bias=False)
-    muon, adam = build_optimizers(model, TrainConfig()).values()
-    in_muon = {id(p) for g in muon.param_groups for p in g["params"]}
-    in_adam = {id(p) for g in adam.param_groups for p in g["params"]}
-    assert id(model.blocks[0].attn.lam_table) in in_adam and id(model.blocks[0].attn.lam_table) not in in_muon
+    in_muon = {id(p) for p in optim.muon_params(model)}
+    assert id(model.blocks[0].attn.lam_table) not in in_muon
     assert id(model.blocks[1].extra.weight) in in_muon and len(in_muon) == muon_before + 1
-    assert in_muon | in_adam == {id(p) for p in model.parameters()} and not in_muon & in_adam
-    n_muon = sum(model.get_parameter(n).numel() for n, p in model.named_parameters() if id(p) in in_muon)
+    build_optimizers(model, TrainConfig()).check_params(model)  # the table and the layer each in one optimiser
+    muon = Muon([p for p in model.parameters() if id(p) in in_muon], lr=0.01, momentum=0.95, beta2=0.95,
+                weight_decay=0.1)
+    adam = torch.optim.AdamW([p for p in model.parameters() if id(p) not in in_muon])
+    n_muon = sum(p.numel() for p in model.parameters() if id(p) in in_muon)
     assert optim.describe_optimizers([muon, adam]) == (
-        f"optimisers: Muon {len(in_muon)} tensors ({n_muon:,} parameters), AdamW {len(in_adam)} tensors "
-        f"({model.num_params() - n_muon:,} parameters)")
+        f"optimisers: Muon {len(in_muon)} tensors ({n_muon:,} parameters), AdamW "
+        f"{len(list(model.parameters())) - len(in_muon)} tensors ({model.num_params() - n_muon:,} parameters)")
+
+
+@pytest.mark.quick
+def test_a_parameter_in_two_optimizers_or_a_trained_one_in_none_is_refused_in_one_line(data_dir, tmp_path,
+                                                                                       monkeypatch, capsys):
+    """A fork's optimisers that share a parameter (it would be updated twice a step) or miss a trained one (never
+    updated) stop the run before its first step, in one line naming the parameter and the optimisers. Holds for any
+    fork's optimisers: the model's first parameter is given to one more, or its optimiser is left out."""
+    real, expected = train.build_optimizers, []
+    rule = "each trained parameter belongs to exactly one (train.build_optimizers)"
+
+    def first_and_its_optimizer(model, optimizers):
+        name, first = next(iter(model.named_parameters()))
+        return name, first, next(k for k, opt in optimizers.items() for g in opt.param_groups for p in g["params"]
+                                 if p is first)
+
+    def twice(model, cfg):
+        optimizers = real(model, cfg)
+        name, first, holder = first_and_its_optimizer(model, optimizers)
+        optimizers["extra"] = torch.optim.AdamW([first])
+        expected.append(f"parameter {name} is in 2 optimisers, {holder} and extra: {rule}")
+        return optimizers
+
+    def none(model, cfg):
+        optimizers = real(model, cfg)
+        name, _, holder = first_and_its_optimizer(model, optimizers)
+        del optimizers[holder]
+        expected.append(f"parameter {name} is trained but in no optimiser ({', '.join(optimizers)}): {rule}")
+        return optimizers
+
+    for build in (twice, none):
+        monkeypatch.setattr(train, "build_optimizers", build)
+        out = tmp_path / build.__name__
+        result, _, err = main_output(SMALL + [f"--data_dir={data_dir}", f"--out_dir={out}", "--max_steps=2"], capsys)
+        assert isinstance(result, SystemExit) and str(result.code) == f"train.py: error: {expected[-1]}", result
+        assert not out.exists()  # refused before anything is written
 
 
 # ----------------------------------------------------------------------------- DDP
@@ -423,7 +488,8 @@ def test_resume_is_bitwise_identical(data, tmp_path, monkeypatch, request):
 
 
 def test_a_cooldown_branched_from_a_longer_run_equals_a_run_of_its_own_length(data_dir, tmp_path, capsys):
-    """Branching a cooldown (Hagele et al. 2024, the README's budget-matched measure): the 12-step run keeps a
+    """Pins the recipe (its linear cooldown, at which the 8 and 12-step schedules agree before step 7).
+    Branching a cooldown (Hagele et al. 2024, the README's budget-matched measure): the 12-step run keeps a
     resumable checkpoint of step 6 (keep_full), and --init_from=<it> --max_steps=8 into a new directory ends bit for
     bit as an 8-step run from scratch, log included (it begins with the parent's, up to step 6), since both
     schedules are the same before step 6 (they part at step 7, the 8-step run's last). A branch point where they
@@ -457,14 +523,15 @@ def test_a_branch_point_is_accepted_exactly_where_both_schedules_agree_before_it
     """branch_error accepts step s of a parent run for a branch of another max_steps exactly where schedule(t) is
     the same in both for every t < s: shorter and longer branches, warmups, momentum ramps and cooldowns of several
     lengths, and a cosine schedule (train.lr_multiplier replaced, as docs/FORKING.md's recipe does), which agrees
-    only through the warmup."""
+    only through the warmup. Holds for any fork's schedule: each expected step is computed from schedule()."""
     def agree(parent, child, s):
         return all(schedule(t, parent) == schedule(t, child) for t in range(s))
 
     late = cfg(max_steps=8, warmup_steps=2, muon_momentum_steps=2)
-    assert late.branch_error(replace(late, max_steps=12), 8) == (
-        "the schedules of max_steps=12 and max_steps=8 differ from step 7: a branch point s needs the same schedule "
-        "at every step before s (here s <= 7)")
+    parted = next((t for t in range(8) if schedule(t, late) != schedule(t, replace(late, max_steps=12))), None)
+    assert late.branch_error(replace(late, max_steps=12), 8) == (None if parted is None else  # any fork's schedule
+        f"the schedules of max_steps=12 and max_steps=8 differ from step {parted}: a branch point s needs the same "
+        f"schedule at every step before s (here s <= {parted})")
     for lr in (None, lambda step, c: min((step + 1) / c.warmup_steps, 0.5 * (1 + math.cos(math.pi * step /
                                                                                         c.max_steps)))):
         if lr:

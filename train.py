@@ -323,6 +323,7 @@ def build(cfg, model_config, worker):
         eval_model = torch.compile(model) if worker.compile else model
         train_model = parallel.data_parallel(eval_model, worker)
     optimizers = build_optimizers(model, cfg)
+    optimizers.check_params(model)  # before any step: each trained parameter in exactly one optimiser
     if cfg.fsdp:  # before any step: each optimiser's state must fit the sharded checkpoint
         sharding.check_optimizers(model, optimizers)
     parts = {"model": model, "optimizers": optimizers, "loader": loader, "rng": RNG()}
