@@ -1,9 +1,59 @@
-"""Files written whole or not at all, and JSON Lines read with a crash in mind: the helpers every tool's files share."""
+"""Files written whole or not at all, checked against the digests written with them, and JSON Lines read with a
+crash in mind: the helpers every tool's files share."""
 import contextlib
 import gzip
+import hashlib
 import json
 import os
 import sys
+
+HASH_CHUNK = 1 << 24  # bytes hashed at a time when a file is read to verify it (16 MiB: memory stays small)
+
+
+class DamagedError(ValueError):
+    """A file whose bytes differ from the checksum written with them (a changed byte, a truncated copy)."""
+
+
+class HashingWriter:
+    """A binary file object that hashes (sha256) every byte written through it, as it goes: digest() is the file's,
+    without reading it back."""
+
+    def __init__(self, f):
+        self.f, self.sha256, self.size = f, hashlib.sha256(), 0
+
+    def write(self, b):
+        self.sha256.update(b)  # hashlib releases the GIL on large buffers
+        self.size += memoryview(b).nbytes
+        return self.f.write(b)
+
+    def entry(self):
+        """{"bytes", "sha256"}: a manifest's entry of what was written."""
+        return {"bytes": self.size, "sha256": self.sha256.hexdigest()}
+
+    def __getattr__(self, name):  # tell, flush, fileno, close: the file's own
+        return getattr(self.f, name)
+
+
+def file_entry(path):
+    """{"bytes", "sha256"} of a file, read in chunks (to verify it against a manifest's entry)."""
+    sha256, size = hashlib.sha256(), 0
+    with open(path, "rb") as f:
+        while chunk := f.read(HASH_CHUNK):
+            sha256.update(chunk)
+            size += len(chunk)
+    return {"bytes": size, "sha256": sha256.hexdigest()}
+
+
+def check_entry(path, expected, what, hashes=True):
+    """A DamagedError naming path and what differs if its size (and, hashes, its sha256) is not expected's (a
+    manifest's entry); what names the manifest."""
+    if not os.path.exists(path):
+        raise DamagedError(f"{path}: missing ({what} lists it)")
+    size = os.path.getsize(path)
+    if size != expected["bytes"]:
+        raise DamagedError(f"{path}: {size} bytes, {what} says {expected['bytes']} (a truncated or changed copy)")
+    if hashes and file_entry(path)["sha256"] != expected["sha256"]:
+        raise DamagedError(f"{path}: its sha256 differs from {what}'s {expected['sha256'][:16]}... (a damaged copy)")
 
 
 @contextlib.contextmanager

@@ -16,13 +16,18 @@ import mmap
 import os
 import pickle
 import shutil
+import struct
+import sys
 import warnings
+import zipfile
+import zlib
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemWriter
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
                                                      set_model_state_dict, set_optimizer_state_dict)
@@ -31,7 +36,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.distributed.tensor import zeros as distributed_zeros
 
-from files import atomic_write, fsync_dir
+from files import DamagedError, HashingWriter, atomic_write, check_entry, fsync_dir
 from model import GPTConfig, check_state
 
 
@@ -215,7 +220,11 @@ class Exchange:
 # saved shapes, which DCP loads into. DCP reshards on load: any number of ranks, or one process without FSDP, reads
 # it. It holds only tensors, which DCP reads without unpickling; its .metadata is a pickle of DCP's own, unpickled by
 # DCP, which is why read_state first reads it with an unpickler that knows only DCP's metadata classes.
+# Every file of it is listed in its manifest.json, with its size and sha256, hashed as it is written (each rank's
+# DCP files through _HashingFileSystem, gathered to rank 0, which writes the manifest last); every read verifies
+# them all first (verify).
 STATE_FILE = "state.json"
+MANIFEST = "manifest.json"
 DCP_GLOBALS = {("torch.distributed.checkpoint.metadata", name) for name in (
     "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
     "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")} | {
@@ -252,9 +261,53 @@ def _dcp_load(state, path, alone=False):
         dcp.load(state, checkpoint_id=path, no_dist=alone or not dist.is_initialized())
 
 
+def verify(path):
+    """Every file of a sharded checkpoint checked against its manifest (size and sha256) before DCP reads any of
+    it: a DamagedError naming the file; a file the manifest does not list is one too. A checkpoint written before
+    manifests has none: a note says it cannot be verified."""
+    listing = os.path.join(path, MANIFEST)
+    if not os.path.exists(listing):
+        if os.path.isdir(path):
+            print(f"note: {path}: no {MANIFEST} (written before checksums): its bytes cannot be verified",
+                  file=sys.stderr, flush=True)
+        return
+    try:
+        with open(listing) as f:
+            files = json.load(f)["files"]
+        expected = {name: {"bytes": int(e["bytes"]), "sha256": str(e["sha256"])} for name, e in files.items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise DamagedError(f"{listing}: damaged: not the manifest written with it ({type(e).__name__}: {e})") from None
+    extra = sorted(set(os.listdir(path)) - set(expected) - {MANIFEST})
+    if extra:
+        raise DamagedError(f"{os.path.join(path, extra[0])}: not in {MANIFEST}: not a file written with this "
+                           f"checkpoint (or the manifest is damaged)")
+    for name in sorted(expected):
+        check_entry(os.path.join(path, name), expected[name], listing)
+
+
+class _HashingFileSystem(FileSystem):
+    """DCP's file system, each file written hashed as its bytes go through (files.HashingWriter): entries, by file
+    name, what the manifest lists. DCP writes its .metadata as .metadata.tmp, then renames it."""
+
+    def __init__(self):
+        super().__init__()
+        self.entries = {}
+
+    @contextlib.contextmanager
+    def create_stream(self, path, mode):
+        with super().create_stream(path, mode) as stream:
+            if "w" not in mode:
+                yield stream
+                return
+            writer = HashingWriter(stream)
+            yield writer
+        self.entries[os.path.basename(str(path)).removesuffix(".tmp")] = writer.entry()
+
+
 def read_state(path):
     """Everything but the tensors of a sharded checkpoint (its state.json), marked with "sharded": path; restore
-    puts its tensors into a model and its optimisers."""
+    puts its tensors into a model and its optimisers. Every file is verified first (verify)."""
+    verify(path)
     _metadata(path)
     try:
         with open(os.path.join(path, STATE_FILE)) as f:
@@ -337,15 +390,26 @@ def save(path, parts, header, master):
     tensors, state = {}, {**header, "parts": list(parts)}
     for name, part in parts.items():
         tensors[name], state[name] = _split(_state_dict(part, model))
+    writer = FileSystemWriter(tmp)
+    writer.fs = _HashingFileSystem()
     try:
-        dcp.save(tensors, checkpoint_id=tmp)
+        dcp.save(tensors, storage_writer=writer)
     except CheckpointException as e:  # DCP gathers every rank's failure onto every rank
         if master:
             shutil.rmtree(tmp, ignore_errors=True)  # nothing half-written is left
         raise next((exc for exc, _ in e.failures.values() if isinstance(exc, OSError)), e) from None
+    entries = [writer.fs.entries]
+    if dist.get_world_size() > 1:  # every rank's files, to rank 0 (the coordinator: it wrote .metadata)
+        entries = [None] * dist.get_world_size()
+        dist.all_gather_object(entries, writer.fs.entries)
     if master:
-        with atomic_write(os.path.join(tmp, STATE_FILE), "w") as f:
-            json.dump(state, f)
+        files = {name: e for rank in entries for name, e in rank.items()}
+        with atomic_write(os.path.join(tmp, STATE_FILE)) as f:
+            hashing = HashingWriter(f)
+            hashing.write(json.dumps(state).encode())
+        files[STATE_FILE] = hashing.entry()
+        with atomic_write(os.path.join(tmp, MANIFEST), "w") as f:  # last: a checkpoint is whole once it is there
+            json.dump({"files": dict(sorted(files.items()))}, f, indent=1)
         if os.path.exists(path):
             os.rename(path, old)
         os.rename(tmp, path)
@@ -485,6 +549,10 @@ def write_streamed(path, header, shapes, fill):
         with torch.serialization.set_default_mmap_options(mmap.MAP_SHARED):
             mapped = torch.load(tmp, mmap=True, weights_only=True)["model"]
         fill(mapped)
+        # skip_data leaves each tensor's CRC-32 in the zip at 0: set from the bytes just written (in memory), in
+        # the order torch.save gave the storages their keys (data/0, data/1, ...: each fake tensor its own)
+        _set_zip_crcs(tmp, {f"data/{i}": zlib.crc32(t.detach().reshape(-1).view(torch.uint8).numpy())
+                            for i, t in enumerate(mapped.values())})
         del mapped  # unmapped: its pages are the file's
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
@@ -493,3 +561,26 @@ def write_streamed(path, header, shapes, fill):
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
+
+
+def _set_zip_crcs(path, crcs):
+    """The CRC-32s of a zip's entries ({name under the archive's folder: crc}) set in place: in its central directory,
+    what readers check, and in each entry's data descriptor (torch.save writes one after each entry's data)."""
+    with zipfile.ZipFile(path) as z:
+        infos, position = z.infolist(), z.start_dir
+    with open(path, "r+b") as f:
+        for info in infos:  # the central directory's records, in the same order
+            f.seek(position)
+            record = f.read(46)  # the fixed part of a central directory record (the zip format, APPNOTE 4.3.12)
+            name = info.filename.split("/", 1)[-1]
+            if name in crcs:
+                f.seek(position + 16)
+                f.write(struct.pack("<I", crcs[name]))
+                f.seek(info.header_offset + 26)  # the local header's name and extra lengths (APPNOTE 4.3.7)
+                n, m = struct.unpack("<HH", f.read(4))
+                descriptor = info.header_offset + 30 + n + m + info.compress_size
+                f.seek(descriptor)
+                signed = f.read(4) == b"PK\x07\x08"  # the descriptor's optional signature (APPNOTE 4.3.9)
+                f.seek(descriptor + 4 * signed)
+                f.write(struct.pack("<I", crcs[name]))
+            position += 46 + sum(struct.unpack("<HHH", record[28:34]))
