@@ -28,7 +28,6 @@ import random
 import re
 import shutil
 import sys
-import zipfile
 from dataclasses import asdict
 
 import numpy as np
@@ -36,7 +35,7 @@ import torch
 
 import hf
 import sharding
-from files import DamagedError, atomic_write
+from files import DamagedError, atomic_write, verify_zip
 from model import GPT, GPTConfig, check_state
 
 WEIGHTS = ("model", "model_config", "step", "config", "source")  # what a weights-only checkpoint keeps
@@ -285,7 +284,6 @@ def _is_dcp(path):
 
 
 ZIP_MAGIC = b"PK\x03\x04"  # torch.save's format since torch 1.6: a zip file, a CRC-32 of every entry
-VERIFY_CHUNK = 1 << 24  # bytes read at a time while verifying (16 MiB: memory stays small at any size)
 
 
 def verify_torch_file(path):
@@ -297,21 +295,7 @@ def verify_torch_file(path):
             print(f"note: {path}: not a zip file (torch's format before 1.6): its bytes cannot be verified",
                   file=sys.stderr, flush=True)
             return
-    entry = None
-    try:
-        with zipfile.ZipFile(path) as z:
-            for entry in z.infolist():
-                with z.open(entry) as f:
-                    while f.read(VERIFY_CHUNK):
-                        pass
-    except zipfile.BadZipFile as e:
-        what = (f"entry {entry.filename}: its bytes do not match the CRC-32 {entry.CRC:08x} written with them"
-                if entry is not None and str(e).startswith("Bad CRC-32") else
-                f"entry {entry.filename}: {e}" if entry is not None else
-                f"{e} (its zip directory, at the end, is missing: a truncated copy?)")
-        raise DamagedError(f"{path}: damaged: {what}") from None
-    except (OSError, EOFError, ValueError, NotImplementedError) as e:  # zipfile's others, on bytes it cannot parse
-        raise DamagedError(f"{path}: damaged: {e or type(e).__name__}") from None
+        verify_zip(f, path)
 
 
 def _read_torch(path, mmap=False):

@@ -10,6 +10,7 @@ modules reach it through a few calls, each of which does nothing for a whole (un
 Everything here also runs on a CPU with gloo, where the tests exercise it; on CUDA the same calls use NCCL.
 """
 import contextlib
+import io
 import json
 import math
 import mmap
@@ -36,7 +37,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.distributed.tensor import zeros as distributed_zeros
 
-from files import DamagedError, HashingWriter, atomic_write, check_entry, fsync_dir
+from files import DamagedError, HashingWriter, atomic_write, check_entry, fsync_dir, verify_zip
 from model import GPTConfig, check_state
 
 
@@ -220,9 +221,11 @@ class Exchange:
 # saved shapes, which DCP loads into. DCP reshards on load: any number of ranks, or one process without FSDP, reads
 # it. It holds only tensors, which DCP reads without unpickling; its .metadata is a pickle of DCP's own, unpickled by
 # DCP, which is why read_state first reads it with an unpickler that knows only DCP's metadata classes.
-# Every file of it is listed in its manifest.json, with its size and sha256, hashed as it is written (each rank's
-# DCP files through _HashingFileSystem, gathered to rank 0, which writes the manifest last); every read verifies
-# them all first (verify).
+# Every file of it is listed in its manifest.json, with its size, counted as it is written (each rank's DCP files
+# through _HashingFileSystem, gathered to rank 0, which writes the manifest last), and the sha256 of the small ones
+# (.metadata, state.json), hashed as they are written. A .distcp file needs none: DCP writes each of its tensors
+# with torch.save, whose zip holds a CRC-32 of every entry, so that checking them adds nothing to a write. Every
+# read verifies every file first (verify).
 STATE_FILE = "state.json"
 MANIFEST = "manifest.json"
 DCP_GLOBALS = {("torch.distributed.checkpoint.metadata", name) for name in (
@@ -262,11 +265,20 @@ def _dcp_load(state, path, alone=False):
 
 
 def verify(path):
-    """Every file of a sharded checkpoint checked against its manifest (size and sha256) before DCP reads any of
-    it: a DamagedError naming the file; a file the manifest does not list is one too. A checkpoint written before
-    manifests has none: a note says it cannot be verified."""
+    """Every file of a sharded checkpoint checked against its manifest before DCP reads any of it: its size, and
+    the sha256 of .metadata and state.json; then, as .metadata places them, every tensor's torch.save'd zip in the
+    .distcp files, against its CRC-32s (which must cover each file whole). A DamagedError names the file (and the
+    tensor); a file the manifest does not list is one too. A checkpoint written before manifests has none: a note
+    says it cannot be verified."""
     listing = os.path.join(path, MANIFEST)
     if not os.path.exists(listing):
+        try:
+            with open(os.path.join(path, STATE_FILE)) as f:
+                written = json.load(f).get("manifest")
+        except (OSError, ValueError, AttributeError):  # read_state says what is wrong with it
+            written = None
+        if written:
+            raise DamagedError(f"{listing}: missing, though {STATE_FILE} says it was written")
         if os.path.isdir(path):
             print(f"note: {path}: no {MANIFEST} (written before checksums): its bytes cannot be verified",
                   file=sys.stderr, flush=True)
@@ -274,7 +286,8 @@ def verify(path):
     try:
         with open(listing) as f:
             files = json.load(f)["files"]
-        expected = {name: {"bytes": int(e["bytes"]), "sha256": str(e["sha256"])} for name, e in files.items()}
+        expected = {name: {"bytes": int(e["bytes"]), **({"sha256": str(e["sha256"])} if "sha256" in e else {})}
+                    for name, e in files.items()}
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         raise DamagedError(f"{listing}: damaged: not the manifest written with it ({type(e).__name__}: {e})") from None
     extra = sorted(set(os.listdir(path)) - set(expected) - {MANIFEST})
@@ -283,11 +296,53 @@ def verify(path):
                            f"checkpoint (or the manifest is damaged)")
     for name in sorted(expected):
         check_entry(os.path.join(path, name), expected[name], listing)
+    items = {}  # each .distcp file's tensors, as (offset, length, name)
+    for index, info in _metadata(path).storage_data.items():
+        items.setdefault(info.relative_path, []).append((info.offset, info.length, index.fqn))
+    for name in sorted(n for n in expected if "sha256" not in expected[n]):
+        end = 0
+        with open(os.path.join(path, name), "rb") as f:
+            for offset, length, fqn in sorted(items.get(name, [])):
+                if offset != end:
+                    break
+                verify_zip(_Slice(f, offset, length), f"{os.path.join(path, name)}: {fqn}")
+                end = offset + length
+        if end != expected[name]["bytes"]:
+            raise DamagedError(f"{os.path.join(path, name)}: its tensors, as .metadata places them, do not cover "
+                               f"its {expected[name]['bytes']} bytes (a damaged .metadata, or not its file)")
+
+
+class _Slice(io.RawIOBase):
+    """The bytes [offset, offset + length) of an open binary file, as a file of their own (a tensor of a .distcp
+    file, a zip of its own, for zipfile)."""
+
+    def __init__(self, f, offset, length):
+        self.f, self.offset, self.length, self.pos = f, offset, length, 0
+
+    def seekable(self):
+        return True
+
+    def readable(self):
+        return True
+
+    def seek(self, pos, whence=0):
+        self.pos = max(0, min(self.length, [pos, self.pos + pos, self.length + pos][whence]))
+        return self.pos
+
+    def tell(self):
+        return self.pos
+
+    def readinto(self, buffer):
+        self.f.seek(self.offset + self.pos)
+        n = self.f.readinto(memoryview(buffer)[:self.length - self.pos])
+        self.pos += n
+        return n
 
 
 class _HashingFileSystem(FileSystem):
-    """DCP's file system, each file written hashed as its bytes go through (files.HashingWriter): entries, by file
-    name, what the manifest lists. DCP writes its .metadata as .metadata.tmp, then renames it."""
+    """DCP's file system, each file written counted, and hashed but for a .distcp file, as its bytes go through
+    (files.HashingWriter): entries, by file name, what the manifest lists. DCP writes .metadata as .metadata.tmp,
+    then renames it."""
 
     def __init__(self):
         super().__init__()
@@ -299,7 +354,7 @@ class _HashingFileSystem(FileSystem):
             if "w" not in mode:
                 yield stream
                 return
-            writer = HashingWriter(stream)
+            writer = HashingWriter(stream, sha256=not str(path).endswith(".distcp"))  # its tensors' zips: CRC-32s
             yield writer
         self.entries[os.path.basename(str(path)).removesuffix(".tmp")] = writer.entry()
 
@@ -387,34 +442,51 @@ def save(path, parts, header, master):
     dist.barrier()
     model = parts["model"]
     reshard(model)
-    tensors, state = {}, {**header, "parts": list(parts)}
+    tensors, state = {}, {**header, "parts": list(parts), "manifest": MANIFEST}  # a checkpoint that has one
     for name, part in parts.items():
         tensors[name], state[name] = _split(_state_dict(part, model))
-    writer = FileSystemWriter(tmp)
-    writer.fs = _HashingFileSystem()
     try:
-        dcp.save(tensors, storage_writer=writer)
+        files = write_tensors(tensors, tmp)
     except CheckpointException as e:  # DCP gathers every rank's failure onto every rank
         if master:
             shutil.rmtree(tmp, ignore_errors=True)  # nothing half-written is left
         raise next((exc for exc, _ in e.failures.values() if isinstance(exc, OSError)), e) from None
-    entries = [writer.fs.entries]
-    if dist.get_world_size() > 1:  # every rank's files, to rank 0 (the coordinator: it wrote .metadata)
-        entries = [None] * dist.get_world_size()
-        dist.all_gather_object(entries, writer.fs.entries)
     if master:
-        files = {name: e for rank in entries for name, e in rank.items()}
         with atomic_write(os.path.join(tmp, STATE_FILE)) as f:
             hashing = HashingWriter(f)
             hashing.write(json.dumps(state).encode())
-        files[STATE_FILE] = hashing.entry()
-        with atomic_write(os.path.join(tmp, MANIFEST), "w") as f:  # last: a checkpoint is whole once it is there
-            json.dump({"files": dict(sorted(files.items()))}, f, indent=1)
+        write_manifest(tmp, {**files, STATE_FILE: hashing.entry()})
         if os.path.exists(path):
             os.rename(path, old)
         os.rename(tmp, path)
         fsync_dir(os.path.dirname(os.path.abspath(path)))
         shutil.rmtree(old, ignore_errors=True)
+
+
+def write_tensors(tensors, path, checksums=True, alone=False):
+    """DCP's files of tensors (a nested dict) in the directory path, every rank writing its shards (alone: this
+    process without a group). checksums: each file hashed as DCP writes it (_HashingFileSystem); returns every rank's
+    {file name: {"bytes", "sha256"}}, gathered onto each ({} without checksums)."""
+    writer = FileSystemWriter(path)
+    if checksums:
+        writer.fs = _HashingFileSystem()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is (disabled|unavailable)")
+        dcp.save(tensors, storage_writer=writer, no_dist=alone)
+    entries = [getattr(writer.fs, "entries", {})]
+    if not alone and dist.is_initialized() and dist.get_world_size() > 1:  # to rank 0, which wrote .metadata
+        entries = [None] * dist.get_world_size()
+        dist.all_gather_object(entries, writer.fs.entries if checksums else {})
+    return {name: e for rank in entries for name, e in rank.items()}
+
+
+def write_manifest(path, files):
+    """A sharded checkpoint's manifest.json: files ({name: {"bytes", "sha256"}}), written last, into the directory
+    that save then renames into place (so never seen half-written), and fsynced as DCP's files are."""
+    with open(os.path.join(path, MANIFEST), "w") as f:
+        json.dump({"files": dict(sorted(files.items()))}, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def resume_path(whole, directory, sharded):

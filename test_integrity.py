@@ -22,14 +22,14 @@ from test_train import SMALL, data_dir  # noqa: F401  (data_dir: a fixture)
 
 
 def damage(path, how):
-    """One byte of path flipped (of a zip, in the middle of its largest entry: what a reader uses), or the file cut
-    to half its length."""
+    """One byte of path flipped (in its middle; of a .pt file, in the middle of its largest entry: what a reader uses,
+    not the padding of a header), or the file cut to half its length."""
     size = os.path.getsize(path)
     if how == "truncate":
         os.truncate(path, size // 2)
         return
     where = size // 2
-    if zipfile.is_zipfile(path):
+    if str(path).endswith(".pt"):
         with zipfile.ZipFile(path) as z:
             entry = max(z.infolist(), key=lambda e: e.file_size)
         with open(path, "rb") as f:
@@ -151,11 +151,15 @@ def test_a_sharded_checkpoint_lists_every_file_it_wrote_and_one_written_before_m
     sharding.verify(f"{stopped}/ckpt.dcp")  # as written, it verifies
     listed = sharding.json.load(open(f"{stopped}/ckpt.dcp/manifest.json"))["files"]
     assert sorted(listed) == [".metadata", "__0_0.distcp", "__1_0.distcp", "state.json"]
+    assert [n for n in listed if "sha256" in listed[n]] == [".metadata", "state.json"]  # a .distcp: its CRC-32s
     assert all(listed[n]["bytes"] == os.path.getsize(f"{stopped}/ckpt.dcp/{n}") for n in listed)
     out = tmp_path / "run"
     shutil.copytree(stopped, out)
     (out / "ckpt.dcp" / "__2_0.distcp").write_bytes(b"")  # not one it wrote
     with pytest.raises(DamagedError, match=r"__2_0.distcp: not in manifest.json"):
+        sharding.verify(str(out / "ckpt.dcp"))
+    os.remove(out / "ckpt.dcp" / "manifest.json")  # not read as one written before manifests
+    with pytest.raises(DamagedError, match=r"ckpt.dcp/manifest.json: missing, though state.json says it was written"):
         sharding.verify(str(out / "ckpt.dcp"))
     capsys.readouterr()
     old = f"{FIXTURES}/fsdp_2_ranks/ckpt.dcp"
