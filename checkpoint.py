@@ -7,8 +7,9 @@ and one reader that every tool calls for anything it accepts:
     load_checkpoint, load_model                any checkpoint: ours, FSDP's ckpt.dcp directory, a Hugging Face folder
 
 Every read verifies the bytes before torch.load (or DCP) uses one (verify_torch_file, sharding.verify): torch.save's
-zip holds a CRC-32 of every entry, a ckpt.dcp a manifest of its files' sha256. A damaged file is a one-line error
-naming the file and the entry; --init_from=auto skips it for the newest checkpoint that verifies.
+zip holds a CRC-32 of every entry, a ckpt.dcp a manifest of its files (and each tensor in them its zip's CRC-32s). A
+damaged file is a one-line error naming the file and the entry; --init_from=auto skips it for the newest checkpoint
+that verifies.
 
 A checkpoint is a torch.save'd dict of tensors and plain types, read with torch.load(weights_only=True), so a
 checkpoint can never run code:

@@ -194,3 +194,24 @@ def test_a_damaged_corpus_shard_is_refused_by_verify_and_by_train(corpus, how, t
                                                    "--verify_data=True"], capsys)
     assert why in one_line(str(result), f"train.py: error: {shard}: ")
     assert not out.exists()
+
+
+# ----------------------------------------------------------------------------- what a write costs
+
+def test_bench_times_checkpoint_writes_without_checksums_as_before_and_now(tmp_path, capsys):
+    import bench
+    tiny = ["--n_layer=1", "--n_embd=32", "--n_head=2", "--vocab_size=64", "--block_size=16"]
+    result = bench.main(["configs/dyn_exo.py", *tiny, f"--checkpoint={tmp_path}", "--rounds=1", "--steps=1"])
+    assert sorted(result) == [("dyn_exo", "ckpt.dcp"), ("dyn_exo", "ckpt.pt")]
+    assert all(set(times) == {"none", "before", "now"} and min(times.values()) > 0 for times in result.values())
+    assert "now/none" in capsys.readouterr().out and os.listdir(tmp_path) == []  # each write removed
+    small = dict(n_layer=1, n_embd=32, n_head=2, vocab_size=64, block_size=16)
+    row = bench.Row("x", *train.split_config({**train.ALL_DEFAULTS, **small}), bench.BENCH_DEFAULTS)
+    tensors = bench.resume_tensors(row)
+    for how in bench.WRITES:  # what each way writes: "now" verifies; without checksums, nothing does
+        bench.write_checkpoint(tensors, str(tmp_path / f"{how}.pt"), how)
+        bench.write_checkpoint(tensors, str(tmp_path / f"{how}.dcp"), how)
+    load_checkpoint(str(tmp_path / "now.pt"), ("optimizers",))
+    sharding.verify(str(tmp_path / "now.dcp"))
+    with pytest.raises(DamagedError, match="its bytes do not match the CRC-32 00000000"):
+        load_checkpoint(str(tmp_path / "none.pt"), ())

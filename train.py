@@ -143,9 +143,10 @@ ALL_DEFAULTS = {**DEFAULTS, **{f.name: f.default for f in fields(GPTConfig)}}
 # The keys in two kinds. Execution keys change how, when, where or how long a run goes, never what a step computes
 # (batch_size: at the same total_batch_size; data_dir: the same corpus, moved): a resume may change them. Every other
 # key (a fork's new one too) and every model key is a recipe key: a resume takes it from the checkpoint, unchanged.
-EXECUTION = {"data_dir", "verify_data", "out_dir", "init_from", "eval_only", "log_interval", "eval_interval", "eval_tokens",
-             "ckpt_interval", "keep_every", "keep_full", "wandb_log", "wandb_project", "wandb_run_name", "batch_size",
-             "max_steps", "activation_checkpointing", "fsdp", "device", "compile", "dist_timeout", "gpu_peak_flops"}
+EXECUTION = {"data_dir", "verify_data", "out_dir", "init_from", "eval_only", "log_interval", "eval_interval",
+             "eval_tokens", "ckpt_interval", "keep_every", "keep_full", "wandb_log", "wandb_project", "wandb_run_name",
+             "batch_size", "max_steps", "activation_checkpointing", "fsdp", "device", "compile", "dist_timeout",
+             "gpu_peak_flops"}
 # Execution keys that change no result nor logged value, bit for bit: a branch's own, and no variant's in sweep.py
 BRANCH_FREE = EXECUTION - {"data_dir", "eval_tokens", "batch_size", "activation_checkpointing", "fsdp", "device",
                            "compile"}
