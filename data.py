@@ -412,7 +412,7 @@ def staging_folder(data_dir):
 
 def write_corpus_shards(stage, name, docs, split, workers, desc):
     """{part: tokens} of the split's documents, tokenised by `workers` processes and written into stage as
-    {name}_val_000000.bin and {name}_train_000001.bin."""
+    {name}_val_000000.bin and {name}_train_000001.bin, listed in stage's manifest.json as they are written."""
     tokens, entries = {}, {}
     with encoder(workers=workers) as encode:
         bar = tqdm(total=len(docs), unit="doc", desc=desc)
@@ -431,7 +431,8 @@ def write_corpus_shards(stage, name, docs, split, workers, desc):
 
 def build_corpus(data_dir, lib_dir=None, workers=min(CORPUS_WORKERS, os.cpu_count() or 1)):
     """Tokenise a Python library folder (default: the running Python's, sysconfig's stdlib) into data_dir:
-    {name}_val_000000.bin, {name}_train_000001.bin (name: data_dir's basename) and corpus.json, what went where.
+    {name}_val_000000.bin, {name}_train_000001.bin (name: data_dir's basename), their manifest.json, and corpus.json,
+    what went where.
     Documents in the order of their names' hashes, so that the first batches mix the whole library; the validation
     set one document in CORPUS_VAL_ONE_IN. Built in a temporary folder that is renamed into place when it is whole:
     a build cut short is never taken for one. Two builds from the same folder give the same bytes."""
