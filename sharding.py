@@ -465,8 +465,9 @@ def save(path, parts, header, master):
 
 def write_tensors(tensors, path, checksums=True, alone=False):
     """DCP's files of tensors (a nested dict) in the directory path, every rank writing its shards (alone: this
-    process without a group). checksums: each file hashed as DCP writes it (_HashingFileSystem); returns every rank's
-    {file name: {"bytes", "sha256"}}, gathered onto each ({} without checksums)."""
+    process without a group). checksums: each file counted, and .metadata hashed, as DCP writes them
+    (_HashingFileSystem), and torch.save's CRC-32s in the .distcp files as they are (on by default); returns every
+    rank's {file name: {"bytes"(, "sha256")}}, gathered onto each ({} without checksums)."""
     writer = FileSystemWriter(path)
     if checksums:
         writer.fs = _HashingFileSystem()
@@ -481,7 +482,7 @@ def write_tensors(tensors, path, checksums=True, alone=False):
 
 
 def write_manifest(path, files):
-    """A sharded checkpoint's manifest.json: files ({name: {"bytes", "sha256"}}), written last, into the directory
+    """A sharded checkpoint's manifest.json: files ({name: {"bytes"(, "sha256")}}), written last, into the directory
     that save then renames into place (so never seen half-written), and fsynced as DCP's files are."""
     with open(os.path.join(path, MANIFEST), "w") as f:
         json.dump({"files": dict(sorted(files.items()))}, f, indent=1)
