@@ -249,6 +249,8 @@ def verify(data_dir):
     """Every shard of data_dir against its manifest.json, each byte read and hashed: a one-line error naming the
     first that differs (files.DamagedError). Returns the number checked."""
     t0 = time.time()
+    if not os.path.isdir(data_dir):
+        raise FileNotFoundError(f"{data_dir}: no such data folder")
     if not os.path.exists(os.path.join(data_dir, MANIFEST)):
         raise FileNotFoundError(f"{data_dir}: no {MANIFEST} to verify against (its shards were written before "
                                 f"manifests, or copied in by hand)")

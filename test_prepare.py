@@ -489,6 +489,8 @@ def test_stdlib_cli_builds_the_corpus_from_a_library_folder(tmp_path, capsys):
     (["--tokenize", "a.txt", "--data_dir", "d", "--base_url", "http://x"], "--base_url is for downloads"),
     (["--stdlib", "--tokenize", "a.txt"], "--stdlib builds the built-in corpus; --tokenize does not apply to it"),
     (["--stdlib", "--train_shards", "2"], "--stdlib builds the built-in corpus; --train_shards does not apply"),
+    (["--verify"], "--verify takes --data_dir alone"),
+    (["--verify", "--data_dir", "d", "--tokenize", "a.txt"], "--verify takes --data_dir alone"),
 ])
 def test_cli_usage_errors(argv, message, capsys):
     with pytest.raises(SystemExit) as e:
