@@ -307,11 +307,10 @@ class Run:
 
 
 def build(cfg, model_config, worker):
-    """The data readers (every shard checked now, the val shard too: against data_dir's manifest, then its header
-    and tokens), the model (seeded), its optimisers, and the resumable parts: what a checkpoint saves, by name (a
-    fork's own part is registered here)."""
+    """The data readers (every shard checked now, the val shard too), the model (seeded), its optimisers, and the
+    resumable parts: what a checkpoint saves, by name (a fork's own part is registered here)."""
     T, V, rank, world = model_config.block_size, model_config.vocab_size, worker.rank, worker.world_size
-    unlisted = check_data(cfg.data_dir, hashes=cfg.verify_data)  # sizes always; sha256: verify_data
+    unlisted = check_data(cfg.data_dir, hashes=cfg.verify_data)  # against its manifest: sizes; sha256 if asked
     if unlisted and cfg.verify_data:
         worker.say(f"note: {cfg.data_dir}: {len(unlisted)} shard(s) not in a manifest.json, not verified "
                    f"({unlisted[0]}{', ...' * (len(unlisted) > 1)})")
