@@ -19,6 +19,12 @@ what a step's collectives move, by kind:
 
     torchrun --nproc_per_node=2 bench.py configs/dyn_exo.py --n_layer=4 --n_embd=128 --n_head=4 --compare=fsdp
 
+--checkpoint=DIR times writing each model's resume checkpoint into DIR (tmpfs such as /dev/shm, or a disk) instead,
+as ckpt.pt and as ckpt.dcp, side by side: without checksums, as before the manifests (torch.save's CRC-32s) and now
+(and ckpt.dcp's manifest), the checksums that every read verifies:
+
+    python bench.py configs/dyn_exo.py --checkpoint=/dev/shm
+
 --gpu=True is the check for a CUDA GPU: Gated Attention against Dynamic E-ExoFormer at the paper's 450M shapes,
 with compile and doc_mask each off and on, beside the paper's overhead and the FLOP ratio:
 
@@ -27,17 +33,20 @@ with compile and doc_mask each off and on, beside the paper's overhead and the F
 import collections
 import math
 import os
+import shutil
 import statistics
 import sys
 import time
 from dataclasses import dataclass, field, replace
 
 import torch
+import torch.utils.serialization
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 import parallel
 import sharding
+from checkpoint import save_checkpoint
 from configurator import help_text, key_comments, load_config, wants_help
 from model import EOT, GPT, GPTConfig, flops_per_token
 from optim import Muon, clip_gradients, moment_shape, muon_params, state_floats
@@ -53,6 +62,7 @@ BENCH_DEFAULTS = dict(
     memory=False,  # True: instead of timing, measure the activation memory of one block_size sequence
     ranks=(),  # with memory: also the bytes per GPU, and the micro-batch that fits, with FSDP over these many GPUs
     gpu=False,  # True: configs/gated.py against configs/dyn_exo.py, compile and doc_mask off and on (CUDA only)
+    checkpoint="",  # a folder: time writing a resume checkpoint there instead, its checksums off and on
 )
 # the paper's pair at 450M: Gated Attention, Dynamic E-ExoFormer
 GPU_MODELS = ["configs/gated.py", "configs/dyn_exo.py"]
@@ -124,6 +134,8 @@ def main(argv):
         sys.stdout = open(os.devnull, "w")
     if runs[0].bench["memory"]:
         return memory_table(runs, env)
+    if runs[0].bench["checkpoint"]:
+        return checkpoint_table(runs, runs[0].bench["checkpoint"])
     return timing_table(runs, env)
 
 
@@ -374,6 +386,67 @@ def sharded_table(runs):
             print(f"{row.name:<36}{n:>5}" + "".join(f"{b / 2**30:>{w}.2f}" for b, w in
                                                      zip(held, (9, 7, *[7] * (len(held) - 3), 10)))
                   + f"{fits[0]:>10}{fits[1]:>10}{fits[2]:>11}")
+
+
+def resume_tensors(row):
+    """The tensors of a model's resume checkpoint, as the run holds them after a step (fp32): the weights, and each
+    optimiser's state (optim.state_floats: a copy of each of its parameters per float it keeps)."""
+    model = GPT(row.config)
+    optimizers = build_optimizers(model, row.cfg)
+    states = {name: {str(i): [p.detach().clone() for _ in range(state_floats(opt))]
+                     for i, p in enumerate(p for g in opt.param_groups for p in g["params"])}
+              for name, opt in optimizers.items()}
+    return {"model": model.state_dict(), "optimizers": states}
+
+
+CHECKPOINT_KINDS = ("ckpt.pt", "ckpt.dcp")
+# how a checkpoint is written: without any checksum (torch.save's CRC-32s off: torch.utils.serialization.config);
+# as before the manifests (torch.save's CRC-32s, on by default, of ckpt.pt and of each tensor in ckpt.dcp's files);
+# now (that, and ckpt.dcp's manifest: each file counted, .metadata hashed, as DCP writes them)
+WRITES = ("none", "before", "now")
+
+
+def write_checkpoint(tensors, path, how):
+    """tensors written as a resume checkpoint of path's kind, as train.py writes it (fsynced), how (WRITES) says."""
+    with torch.utils.serialization.config.patch({"save.compute_crc32": how != "none"}):
+        if path.endswith(".pt"):  # the same write before and now: only reads verify it
+            return save_checkpoint(path, tensors)
+        files = sharding.write_tensors(tensors, path, checksums=how == "now", alone=True)
+    if how == "now":
+        sharding.write_manifest(path, files)
+
+
+def checkpoint_table(runs, folder):
+    """--checkpoint=DIR: per model and kind, the median seconds to write its resume checkpoint into DIR in each way
+    (WRITES), interleaved over rounds x steps writes each, and the ratios: what the checksums cost a write, and what
+    the manifest adds to what torch.save already did."""
+    if not os.path.isdir(folder):
+        sys.exit(f"bench.py: error: --checkpoint={folder}: no such folder")
+    print(f"writing resume checkpoints into {folder}: median seconds of {runs[0].bench['rounds']} x "
+          f"{runs[0].bench['steps']} writes each (torch {torch.__version__}, {torch.get_num_threads()} threads)")
+    print(f"{'model':<24} {'kind':<9} {'GB':>6} {'none s':>8} {'before s':>9} {'now s':>8} {'now/none':>9} "
+          f"{'now/before':>11}")
+    result = {}
+    for row in runs:
+        tensors = resume_tensors(row)
+        nbytes = sum(t.numel() * t.element_size() for t in tree_leaves(tensors))
+        times = collections.defaultdict(list)
+        for _ in range(row.bench["rounds"]):
+            for _ in range(row.bench["steps"]):
+                for kind in CHECKPOINT_KINDS:
+                    for how in WRITES:  # side by side: the same moment of a shared machine
+                        path = os.path.join(folder, f"bench_{os.getpid()}_{kind}")
+                        t0 = time.perf_counter()
+                        write_checkpoint(tensors, path, how)
+                        times[kind, how].append(time.perf_counter() - t0)
+                        (shutil.rmtree if os.path.isdir(path) else os.remove)(path)
+        for kind in CHECKPOINT_KINDS:
+            none, before, now = (statistics.median(times[kind, how]) for how in WRITES)
+            result[row.name, kind] = dict(zip(WRITES, (none, before, now)))
+            print(f"{row.name:<24} {kind:<9} {nbytes / 1e9:>6.2f} {none:>8.3f} {before:>9.3f} {now:>8.3f} "
+                  f"{now / none:>9.3f} {now / before:>11.3f}")
+        del tensors
+    return result
 
 
 def step(row, x, y, env):

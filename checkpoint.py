@@ -6,6 +6,11 @@ and one reader that every tool calls for anything it accepts:
     save_weights, save_checkpoint              a weights-only checkpoint: train.py's keep_every, convert.py's exports
     load_checkpoint, load_model                any checkpoint: ours, FSDP's ckpt.dcp directory, a Hugging Face folder
 
+Every read verifies the bytes before torch.load (or DCP) uses one (verify_torch_file, sharding.verify): torch.save's
+zip holds a CRC-32 of every entry, a ckpt.dcp a manifest of its files (and each tensor in them its zip's CRC-32s). A
+damaged file is a one-line error naming the file and the entry; --init_from=auto skips it for the newest checkpoint
+that verifies.
+
 A checkpoint is a torch.save'd dict of tensors and plain types, read with torch.load(weights_only=True), so a
 checkpoint can never run code:
     model          the (uncompiled) model's state dict
@@ -21,7 +26,9 @@ checkpoint.
 import errno
 import os
 import random
+import re
 import shutil
+import sys
 from dataclasses import asdict
 
 import numpy as np
@@ -29,7 +36,7 @@ import torch
 
 import hf
 import sharding
-from files import atomic_write
+from files import DamagedError, atomic_write, verify_zip
 from model import GPT, GPTConfig, check_state
 
 WEIGHTS = ("model", "model_config", "step", "config", "source")  # what a weights-only checkpoint keeps
@@ -89,10 +96,12 @@ def save_resumable(path, parts, header, worker=None):
 def load_resumable(out_dir, init_from, eval_only=False, sharded=False):
     """Resuming: (checkpoint, its path) that a train.py run starts from, on the CPU (RNG states must stay CPU
     tensors), or (None, None) for a new run. auto: out_dir's checkpoint if there is one, of either kind (the later
-    one if both; when there is none, the kind this run writes). A file (a branch point of keep_full): that file, or
-    out_dir's own checkpoint once there is one (a branch that was stopped goes on from it). A file that is not a
-    resumable checkpoint is an error, never overwritten. FSDP's ckpt.dcp comes as its state.json: restore puts its
-    tensors into the parts themselves. eval_only: out_dir's checkpoint, of any kind."""
+    one if both; when there is none, the kind this run writes); one that does not verify (a damaged byte) is skipped,
+    with a line saying why, for the newest resumable one of out_dir that does (its other kind, then the branch points
+    of keep_full, the latest first), so that a requeued job goes on by itself. A file (a branch point of keep_full):
+    that file, or out_dir's own checkpoint once there is one (a branch that was stopped goes on from it). A file that
+    is not a resumable checkpoint is an error, never overwritten. FSDP's ckpt.dcp comes as its state.json: restore
+    puts its tensors into the parts themselves. eval_only: out_dir's checkpoint, of any kind."""
     own = sharding.resume_path(checkpoint_path(out_dir), checkpoint_path(out_dir, sharded=True), sharded)
     if not eval_only and (init_from == "scratch" or (init_from == "auto" and not os.path.exists(own))):
         return None, None
@@ -100,17 +109,40 @@ def load_resumable(out_dir, init_from, eval_only=False, sharded=False):
     if path == init_from and not os.path.exists(path):
         raise ValueError(f"init_from={init_from!r}: no such file; expected 'scratch', 'resume', 'auto' or a "
                          f"checkpoint to branch from (a ckpt_<step>_full.pt, or .dcp, of keep_full)")
+    if init_from == "auto" and not eval_only:
+        return _newest_that_verifies(out_dir, path)
+    return _read_resumable(path, eval_only), path
+
+
+def _read_resumable(path, eval_only=False):
+    """The checkpoint at path, verified, if it is one a run resumes from (eval_only: any), or a one-line error."""
     try:
         ckpt = sharding.read_state(path) if _is_dcp(path) else load_checkpoint(path, ("model", "model_config", "step"))
         _check_keys(ckpt, ("model_config", "step") if eval_only else ("model_config", "step", "config"), path)
         if not eval_only and "parts" not in ckpt and "optimizers" not in ckpt and "param_groups" not in ckpt:
             raise ValueError(f"{path}: no resumable parts in this checkpoint")
     except ValueError as e:
-        if eval_only:
+        if eval_only or isinstance(e, DamagedError):
             raise
         raise ValueError(f"{e}; a run resumes from train.py's own <out_dir>/ckpt.pt (or branches from a "
                          f"ckpt_<step>_full.pt of keep_full), not a weights-only copy") from None
-    return ckpt, path
+    return ckpt
+
+
+def _newest_that_verifies(out_dir, own):
+    """auto's checkpoint: own (out_dir's resume checkpoint) if it verifies, else the newest of out_dir's other
+    resumable ones that does, each one skipped said in one line; a one-line error naming own's damage if none does."""
+    branches = sorted((p for p in os.listdir(out_dir) if re.fullmatch(r"ckpt_\d+_full\.(pt|dcp)", p)), reverse=True)
+    other = checkpoint_path(out_dir, sharded=not own.endswith(".dcp"))
+    first = None
+    for path in [own] + [other] * os.path.exists(other) + [os.path.join(out_dir, p) for p in branches]:
+        try:
+            return _read_resumable(path), path
+        except DamagedError as e:
+            first = first or e
+            print(f"note: --init_from=auto: skipped {e}; trying the next newest checkpoint", file=sys.stderr,
+                  flush=True)
+    raise DamagedError(f"{first}; no other checkpoint in {out_dir} verifies")
 
 
 def restore(ckpt, parts, path, every_part=True):
@@ -252,10 +284,27 @@ def _is_dcp(path):
     return os.path.isdir(path) and not hf.is_folder(path)
 
 
+ZIP_MAGIC = b"PK\x03\x04"  # torch.save's format since torch 1.6: a zip file, a CRC-32 of every entry
+
+
+def verify_torch_file(path):
+    """Every entry of a torch.save'd file read and checked against the CRC-32 its zip holds (zipfile checks it at
+    an entry's end), before torch.load uses a byte: a DamagedError naming the file and the entry. A file of torch's
+    format before 1.6 (not a zip) holds none: a note says it cannot be verified."""
+    with open(path, "rb") as f:
+        if f.read(len(ZIP_MAGIC)) != ZIP_MAGIC:
+            print(f"note: {path}: not a zip file (torch's format before 1.6): its bytes cannot be verified",
+                  file=sys.stderr, flush=True)
+            return
+        verify_zip(f, path)
+
+
 def _read_torch(path, mmap=False):
-    """A torch.save'd file, read with torch.load(weights_only=True), or a one-line error."""
+    """A torch.save'd file, verified (verify_torch_file), then read with torch.load(weights_only=True), or a
+    one-line error."""
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{path}: no checkpoint there")
+    verify_torch_file(path)
     try:
         return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except Exception as e:  # torch raises UnpicklingError for forbidden globals, others for corrupt files

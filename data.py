@@ -5,6 +5,10 @@ imports no network package.
 Shard format (llm.c / modded-nanogpt): a header of 256 little-endian int32 words (magic 20240520,
 version 1, token count, then zeros), followed by the tokens as little-endian uint16. A shard of
 ntok tokens is therefore exactly 1024 + 2*ntok bytes; anything else is a truncated or foreign file.
+
+A data folder's manifest.json lists the shards written into it (prepare.py's, the built-in corpus's, and downloads
+with the sha256 the Hub published for them): each one's size and sha256, hashed as it was written. train.py checks
+the sizes at every start and the hashes with verify_data=True; prepare.py --verify checks both (check_data).
 """
 import ast
 import contextlib
@@ -25,7 +29,7 @@ import torch
 from tiktoken.load import load_tiktoken_bpe
 from tqdm import tqdm
 
-from files import atomic_write
+from files import DamagedError, HashingWriter, atomic_write, check_entry
 
 GPT2_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?!\S)|\s"""
 
@@ -59,7 +63,8 @@ _CHUNK = 1 << 24                  # tokens per step when scanning a shard (32 MB
 
 
 def write_shard(path, tokens):
-    """Write `tokens` (ids in [0, 65535]) as a shard. Atomic: a crash never leaves a partial file."""
+    """Write `tokens` (ids in [0, 65535]) as a shard. Atomic: a crash never leaves a partial file. Returns its
+    manifest entry ({"bytes", "sha256"}), hashed as it is written."""
     path = str(path)
     tokens = np.asarray(tokens)
     if tokens.ndim != 1:
@@ -73,8 +78,10 @@ def write_shard(path, tokens):
     header = np.zeros(HEADER_WORDS, dtype="<i4")
     header[:3] = MAGIC, VERSION, len(tokens)
     with atomic_write(path) as f:
+        f = HashingWriter(f)
         f.write(header.tobytes())
-        f.write(memoryview(np.ascontiguousarray(tokens, dtype="<u2")))  # no copy for uint16 input
+        f.write(memoryview(np.ascontiguousarray(tokens, dtype="<u2")).cast("B"))  # no copy for uint16 input
+    return f.entry()
 
 
 def read_header(path):
@@ -119,6 +126,40 @@ def validate_shard(path, vocab_size):
             raise ValueError(f"{path}: token id {int(tokens[where])} at position {where} is >= "
                              f"vocab_size {vocab_size} (wrong tokenizer or corrupt shard)")
     return len(tokens)
+
+
+MANIFEST = "manifest.json"  # a data folder's shards, as they were written: {"files": {name: {"bytes", "sha256"}}}
+
+
+def read_manifest(data_dir):
+    """{name: {"bytes", "sha256"}} of data_dir's manifest, {} if it has none; a one-line error if it is damaged."""
+    path = os.path.join(str(data_dir), MANIFEST)
+    if not os.path.exists(path):
+        return {}
+    try:
+        with open(path) as f:
+            files = json.load(f)["files"]
+        return {name: {"bytes": int(e["bytes"]), "sha256": str(e["sha256"])} for name, e in files.items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise DamagedError(f"{path}: damaged, not a manifest of shards ({type(e).__name__}: {e})") from None
+
+
+def add_to_manifest(data_dir, entries):
+    """entries ({name: {"bytes", "sha256"}}) added to data_dir's manifest, which is written anew, atomically."""
+    files = {**read_manifest(data_dir), **entries}
+    with atomic_write(os.path.join(str(data_dir), MANIFEST), "w") as f:
+        json.dump({"files": dict(sorted(files.items()))}, f, indent=1)
+
+
+def check_data(data_dir, hashes=False):
+    """The shards of data_dir against its manifest: each one's size, and with hashes its sha256 (a read of every
+    byte), a DamagedError naming the first that differs. Returns the shards the manifest does not list (copied in
+    by hand: not verifiable); a folder without a manifest (written before manifests) lists them all."""
+    data_dir, files = str(data_dir), read_manifest(data_dir)
+    for name in sorted(files):
+        check_entry(os.path.join(data_dir, name), files[name], os.path.join(data_dir, MANIFEST), hashes)
+    shards = sorted(os.path.basename(p) for p in glob.glob(os.path.join(glob.escape(data_dir), "*_*_*.bin")))
+    return [name for name in shards if name not in files]
 
 
 def find_shards(data_dir, split):
@@ -371,8 +412,8 @@ def staging_folder(data_dir):
 
 def write_corpus_shards(stage, name, docs, split, workers, desc):
     """{part: tokens} of the split's documents, tokenised by `workers` processes and written into stage as
-    {name}_val_000000.bin and {name}_train_000001.bin."""
-    tokens = {}
+    {name}_val_000000.bin and {name}_train_000001.bin, listed in stage's manifest.json as they are written."""
+    tokens, entries = {}, {}
     with encoder(workers=workers) as encode:
         bar = tqdm(total=len(docs), unit="doc", desc=desc)
         for index, part in ((0, "val"), (1, "train")):
@@ -381,14 +422,17 @@ def write_corpus_shards(stage, name, docs, split, workers, desc):
                 arrays.append(ids)
                 bar.update(n)
             tokens[part] = np.concatenate(arrays) if arrays else np.zeros(0, np.uint16)
-            write_shard(os.path.join(stage, f"{name}_{part}_{index:06d}.bin"), tokens[part])
+            shard = f"{name}_{part}_{index:06d}.bin"
+            entries[shard] = write_shard(os.path.join(stage, shard), tokens[part])
         bar.close()
+    add_to_manifest(stage, entries)
     return tokens
 
 
 def build_corpus(data_dir, lib_dir=None, workers=min(CORPUS_WORKERS, os.cpu_count() or 1)):
     """Tokenise a Python library folder (default: the running Python's, sysconfig's stdlib) into data_dir:
-    {name}_val_000000.bin, {name}_train_000001.bin (name: data_dir's basename) and corpus.json, what went where.
+    {name}_val_000000.bin, {name}_train_000001.bin (name: data_dir's basename), their manifest.json, and corpus.json,
+    what went where.
     Documents in the order of their names' hashes, so that the first batches mix the whole library; the validation
     set one document in CORPUS_VAL_ONE_IN. Built in a temporary folder that is renamed into place when it is whole:
     a build cut short is never taken for one. Two builds from the same folder give the same bytes."""

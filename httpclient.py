@@ -1,10 +1,12 @@
 """
 The one HTTP client: the resumable downloader (prepare.py's shards, convert.py's checkpoints) and get_json
 (eval.py's data sets, convert.py's Hub listings), with one retry policy for both. Files are written through a
-.part file and renamed into place only when complete and checked; a host that cannot be reached at all fails
-at once, saying what to do offline.
+.part file and renamed into place only when complete and checked, against the sha256 the server announced for it
+too (the Hugging Face Hub's X-Linked-Etag: an LFS file's object id); a host that cannot be reached at all fails at
+once, saying what to do offline.
 """
 import os
+import re
 import sys
 import threading
 import time
@@ -12,6 +14,8 @@ import time
 import requests
 from tqdm import tqdm
 from urllib3.exceptions import NewConnectionError
+
+from files import file_entry
 
 # Our choices, for the Hub's rate limits and a flaky link:
 MAX_TRIES = 8       # failed attempts in a row before giving up (for a file, an attempt that brings
@@ -112,9 +116,20 @@ def get_json(url, params=None, offline="copy the data from a machine with intern
         _wait(url, failures, error)
 
 
-def _attempt(url, part, have, bar, counted, stop):
+def announced_sha256(response):
+    """The sha256 a server announced for a file, or None: the Hub's X-Linked-Etag (an LFS file's object id, on its
+    redirect to the storage or on the answer itself); an etag of another form (a git blob's sha1) is none."""
+    for r in [*response.history, response]:
+        etag = r.headers.get("X-Linked-Etag", "").removeprefix("W/").strip('"').lower()
+        if re.fullmatch(r"[0-9a-f]{64}", etag):
+            return etag
+    return None
+
+
+def _attempt(url, part, have, bar, counted, stop, announced):
     """One HTTP request: append to `part` from byte `have`, or rewrite it when the server ignores
-    the Range header. Returns the file size the server announced (None if it did not say)."""
+    the Range header. Returns the file size the server announced (None if it did not say); the sha256 it
+    announced goes into announced[0]."""
     headers = {"Accept-Encoding": "identity"}  # byte ranges must refer to the file itself
     if have:
         headers["Range"] = f"bytes={have}-"
@@ -140,6 +155,7 @@ def _attempt(url, part, have, bar, counted, stop):
             bar.update(-have)
         else:
             raise _refused(r)
+        announced[0] = announced_sha256(r) or announced[0]
         if total is not None and not counted[0]:
             bar.grow(total)
             counted[0] = True
@@ -154,35 +170,52 @@ def _attempt(url, part, have, bar, counted, stop):
 
 def download_file(url, dest, bar=None, stop=None, *, check, offline=None):
     """Download url to dest through dest + '.part', resuming with HTTP Range requests and retrying
-    with exponential backoff. dest appears only once the size the server announced and check(path)
-    pass; check raises ValueError('not a valid ...') for an incomplete or foreign file. A host that
-    cannot be reached at all fails at once, saying what to do offline (default: copy dest)."""
+    with exponential backoff. dest appears only once the size the server announced, its sha256 (if it
+    announced one: announced_sha256) and check(path) pass; check raises ValueError('not a valid ...') for an
+    incomplete or foreign file. A file whose sha256 differs is deleted and downloaded again, as is one that
+    fails check. A host that cannot be reached at all fails at once, saying what to do offline (default: copy
+    dest). Returns dest's manifest entry ({"bytes", "sha256"}, and "announced": whether the server's sha256
+    was compared)."""
     part = dest + ".part"
     bar = bar or ByteBar(disable=True)
-    counted = [False]  # whether this file's size is in the bar's total yet
+    counted, announced = [False], [None]  # whether this file's size is in the bar's total yet; its sha256
     size = lambda: os.path.getsize(part) if os.path.exists(part) else 0
     bar.update(size())  # bytes left by an interrupted run count as done
-    try:  # an interrupted run may have stopped just before the rename
+    try:  # an interrupted run may have stopped just before the rename: the next request says the sha256
         check(part)
-        os.replace(part, dest)
-        return
     except (ValueError, FileNotFoundError):
         pass
+    else:
+        try:
+            with requests.head(url, allow_redirects=True, timeout=TIMEOUT) as r:
+                announced[0] = announced_sha256(r) if r.ok else None
+        except requests.RequestException:  # offline: the size and check(part) alone, as for a copied file
+            pass
+        entry = file_entry(part)
+        if announced[0] in (None, entry["sha256"]):
+            os.replace(part, dest)
+            return {**entry, "announced": announced[0] is not None}
+        bar.update(-size())
+        os.remove(part)
     failures = 0
     while True:
         if stop is not None and stop.is_set():
             raise DownloadError(f"{url}: stopped")
         have = size()
         try:
-            total = _attempt(url, part, have, bar, counted, stop)
+            total = _attempt(url, part, have, bar, counted, stop, announced)
             if total is not None and size() < total:
                 raise _Retry(f"the body ended after {size()} of {total} bytes")
             try:
                 check(part)
             except ValueError as e:
                 raise _Retry(f"downloaded file is {e}", restart=True) from None
+            entry = file_entry(part)  # read once more, at disk speed: the download is what takes time
+            if announced[0] not in (None, entry["sha256"]):
+                raise _Retry(f"downloaded file is damaged: its sha256 {entry['sha256'][:16]}... differs from the "
+                             f"{announced[0][:16]}... the server announced", restart=True)
             os.replace(part, dest)
-            return
+            return {**entry, "announced": announced[0] is not None}
         except (_Retry, requests.RequestException) as e:  # timeouts, dropped connections, 5xx
             error = _retryable(e, url, offline or f"copy {dest} from a machine with internet")
         restart = getattr(error, "restart", False)

@@ -8,6 +8,10 @@ or tokenise your own text (.txt, .jsonl, .jsonl.gz) into the same format:
 or build the built-in corpus, this Python's standard library (train.py builds it when data_dir=data/stdlib is
 missing), or the same from another Python's library folder:
     python prepare.py --stdlib [LIBRARY_DIR] [--data_dir data/stdlib] [--workers N]
+or check a data folder's shards against its manifest.json (every byte read and hashed):
+    python prepare.py --verify --data_dir DIR
+Each mode writes the shards' sizes and sha256 into the folder's manifest.json (data.py); a downloaded shard is
+compared first with the sha256 the Hub publishes for it (its LFS object id).
 """
 import argparse
 import glob
@@ -21,7 +25,8 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 import numpy as np
 from tqdm import tqdm
 
-from data import build_corpus, encoder, load_encoding, read_header, write_shard
+from data import (MANIFEST, add_to_manifest, build_corpus, check_data, encoder, load_encoding, read_header,
+                  write_shard)
 from files import read_jsonl
 from httpclient import ByteBar, DownloadError, download_file
 
@@ -43,8 +48,9 @@ def valid_shard(path):
 
 
 def download_shards(data_dir, train_shards=NUM_TRAIN_SHARDS, workers=4, base_url=BASE_URL):
-    """Fetch the val shard and the first `train_shards` train shards into data_dir, in parallel.
-    Files already present with a valid header and size are skipped without any request."""
+    """Fetch the val shard and the first `train_shards` train shards into data_dir, in parallel, each checked
+    against the sha256 the server announces (httpclient.download_file) and added to data_dir's manifest as it
+    arrives. Files already present with a valid header and size are skipped without any request."""
     if not 0 <= train_shards <= NUM_TRAIN_SHARDS:
         raise ValueError(f"--train_shards {train_shards}: the dataset has 0 to {NUM_TRAIN_SHARDS}")
     if workers < 1:
@@ -68,11 +74,12 @@ def download_shards(data_dir, train_shards=NUM_TRAIN_SHARDS, workers=4, base_url
     try:
         with ThreadPoolExecutor(workers) as pool:
             offline = f"copy the shards into {data_dir} from a machine with internet"
-            jobs = [pool.submit(download_file, f"{base_url.rstrip('/')}/{name}", os.path.join(data_dir, name),
-                                bar, stop, check=valid_shard, offline=offline) for name in todo]
+            jobs = {pool.submit(download_file, f"{base_url.rstrip('/')}/{name}", os.path.join(data_dir, name),
+                                bar, stop, check=valid_shard, offline=offline): name for name in todo}
             try:
                 for job in as_completed(jobs):
-                    job.result()
+                    add_to_manifest(data_dir, {jobs[job]: {k: v for k, v in job.result().items()
+                                                           if k != "announced"}})
             except BaseException:
                 stop.set()  # the other threads stop at their next chunk; .part files stay to resume
                 pool.shutdown(cancel_futures=True)
@@ -141,6 +148,7 @@ class _ShardWriter:
         self.out_dir, self.name = out_dir, name
         self.shard_tokens, self.val_tokens = shard_tokens, val_tokens
         self.pending, self.n_pending, self.total, self.n_val, self.files = [], 0, 0, None, []
+        self.entries = {}  # each shard's manifest entry, hashed as it is written
 
     def _take(self, n):
         buf = np.concatenate(self.pending) if len(self.pending) > 1 else self.pending[0]
@@ -149,7 +157,7 @@ class _ShardWriter:
 
     def _write(self, split, index, tokens):
         path = os.path.join(self.out_dir, f"{self.name}_{split}_{index:06d}.bin")
-        write_shard(path, tokens)
+        self.entries[os.path.basename(path)] = write_shard(path, tokens)
         self.files.append(path)
 
     def _flush(self, final):
@@ -224,6 +232,7 @@ def tokenize(paths, data_dir, name=None, shard_tokens=10**8, val_tokens=10**7, w
             files = writer.finish()
         for f in files:
             os.replace(f, os.path.join(data_dir, os.path.basename(f)))
+        add_to_manifest(data_dir, writer.entries)
     finally:
         if bar is not None:
             bar.close()
@@ -234,6 +243,26 @@ def tokenize(paths, data_dir, name=None, shard_tokens=10**8, val_tokens=10**7, w
           f"{writer.total / max(dt, 1e-9):,.0f} tokens/s; shards in {data_dir}")
     return {"documents": ndocs, "tokens": writer.total, "val_tokens": writer.n_val,
             "files": [os.path.join(data_dir, os.path.basename(f)) for f in files], "seconds": dt}
+
+
+def verify(data_dir):
+    """Every shard of data_dir against its manifest.json, each byte read and hashed: a one-line error naming the
+    first that differs (files.DamagedError). Returns the number checked."""
+    t0 = time.time()
+    if not os.path.isdir(data_dir):
+        raise FileNotFoundError(f"{data_dir}: no such data folder")
+    if not os.path.exists(os.path.join(data_dir, MANIFEST)):
+        raise FileNotFoundError(f"{data_dir}: no {MANIFEST} to verify against (its shards were written before "
+                                f"manifests, or copied in by hand)")
+    unlisted = check_data(data_dir, hashes=True)
+    checked = [n for n in os.listdir(data_dir) if n.endswith(".bin") and n not in unlisted]
+    nbytes = sum(os.path.getsize(os.path.join(data_dir, n)) for n in checked)
+    if unlisted:
+        print(f"note: {data_dir}: {len(unlisted)} shard(s) not in its manifest.json, not verified: "
+              f"{', '.join(unlisted[:3])}{', ...' * (len(unlisted) > 3)}")
+    print(f"{data_dir}: {len(checked)} shard(s) ({nbytes / 1e6:,.1f} MB) match manifest.json "
+          f"(sizes and sha256, {time.time() - t0:.1f} s)")
+    return len(checked)
 
 
 def build_parser():
@@ -259,6 +288,9 @@ def build_parser():
     c.add_argument("--stdlib", nargs="?", const="", metavar="LIBRARY_DIR",
                    help="tokenise a Python standard library (default: this Python's) into --data_dir "
                         "(default data/stdlib): one document per module and per pydoc topic")
+    v = p.add_argument_group("verify")
+    v.add_argument("--verify", action="store_true",
+                   help="check --data_dir's shards against its manifest.json (sizes and sha256; reads every byte)")
     return p
 
 
@@ -267,6 +299,8 @@ def mode_error(args):
     tok_only = [o for o in ("name", "shard_tokens", "val_tokens", "tokenizer")
                 if getattr(args, o) is not None]
     dl_only = [o for o in ("train_shards", "base_url") if getattr(args, o) is not None]
+    if args.verify and (args.tokenize or args.stdlib is not None or tok_only or dl_only or not args.data_dir):
+        return "--verify takes --data_dir alone (the folder to check)"
     if args.stdlib is not None and (args.tokenize or tok_only or dl_only):
         return (f"--stdlib builds the built-in corpus; --{'tokenize' if args.tokenize else (tok_only + dl_only)[0]} "
                 f"does not apply to it")
@@ -286,7 +320,9 @@ def main(argv=None):
     if error:
         p.error(error)
     try:
-        if args.stdlib is not None:
+        if args.verify:
+            verify(args.data_dir)
+        elif args.stdlib is not None:
             build_corpus(args.data_dir or "data/stdlib", args.stdlib or None, args.workers)
         elif args.tokenize:
             tokenize(args.tokenize, args.data_dir, name=args.name,
@@ -297,7 +333,7 @@ def main(argv=None):
             download_shards(args.data_dir or "data/finewebedu10B",
                             NUM_TRAIN_SHARDS if args.train_shards is None else args.train_shards,
                             args.workers, args.base_url or BASE_URL)
-    except (ValueError, OSError, DownloadError) as e:
+    except (ValueError, OSError, DownloadError) as e:  # a DamagedError is a ValueError
         raise SystemExit(f"prepare.py: error: {e}")
     except KeyboardInterrupt:
         raise SystemExit("prepare.py: interrupted; nothing was written" if args.tokenize or args.stdlib is not None else

@@ -10,14 +10,18 @@ modules reach it through a few calls, each of which does nothing for a whole (un
 Everything here also runs on a CPU with gloo, where the tests exercise it; on CUDA the same calls use NCCL.
 """
 import contextlib
+import io
 import json
 import math
 import mmap
 import os
 import pickle
 import shutil
+import struct
 import sys
 import warnings
+import zipfile
+import zlib
 
 import torch
 import torch.distributed as dist
@@ -27,7 +31,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 # a process (DTensor's shape propagation pulls in sympy; measured on 2 cores, torch 2.13.0), which every run, tool
 # and test that never shards would pay. Until they are imported, no tensor is a DTensor and no module is FSDP's.
 
-from files import atomic_write, fsync_dir
+
+from files import DamagedError, HashingWriter, atomic_write, check_entry, fsync_dir, verify_zip
 from model import GPTConfig, check_state
 
 
@@ -216,7 +221,13 @@ class Exchange:
 # saved shapes, which DCP loads into. DCP reshards on load: any number of ranks, or one process without FSDP, reads
 # it. It holds only tensors, which DCP reads without unpickling; its .metadata is a pickle of DCP's own, unpickled by
 # DCP, which is why read_state first reads it with an unpickler that knows only DCP's metadata classes.
+# Every file of it is listed in its manifest.json, with its size, counted as it is written (each rank's DCP files
+# through _hashing, gathered to rank 0, which writes the manifest last), and the sha256 of the small ones
+# (.metadata, state.json), hashed as they are written. A .distcp file needs none: DCP writes each of its tensors
+# with torch.save, whose zip holds a CRC-32 of every entry, so that checking them adds nothing to a write. Every
+# read verifies every file first (verify).
 STATE_FILE = "state.json"
+MANIFEST = "manifest.json"
 DCP_GLOBALS = {("torch.distributed.checkpoint.metadata", name) for name in (
     "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
     "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")} | {
@@ -255,9 +266,106 @@ def _dcp_load(state, path, alone=False):
         dcp.load(state, checkpoint_id=path, no_dist=alone or not dist.is_initialized())
 
 
+def verify(path):
+    """Every file of a sharded checkpoint checked against its manifest before DCP reads any of it: its size, and
+    the sha256 of .metadata and state.json; then, as .metadata places them, every tensor's torch.save'd zip in the
+    .distcp files, against its CRC-32s (which must cover each file whole). A DamagedError names the file (and the
+    tensor); a file the manifest does not list is one too. A checkpoint written before manifests has none: a note
+    says it cannot be verified."""
+    listing = os.path.join(path, MANIFEST)
+    if not os.path.exists(listing):
+        try:
+            with open(os.path.join(path, STATE_FILE)) as f:
+                written = json.load(f).get("manifest")
+        except (OSError, ValueError, AttributeError):  # read_state says what is wrong with it
+            written = None
+        if written:
+            raise DamagedError(f"{listing}: missing, though {STATE_FILE} says it was written")
+        if os.path.isdir(path):
+            print(f"note: {path}: no {MANIFEST} (written before checksums): its bytes cannot be verified",
+                  file=sys.stderr, flush=True)
+        return
+    try:
+        with open(listing) as f:
+            files = json.load(f)["files"]
+        expected = {name: {"bytes": int(e["bytes"]), **({"sha256": str(e["sha256"])} if "sha256" in e else {})}
+                    for name, e in files.items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise DamagedError(f"{listing}: damaged: not the manifest written with it ({type(e).__name__}: {e})") from None
+    extra = sorted(set(os.listdir(path)) - set(expected) - {MANIFEST})
+    if extra:
+        raise DamagedError(f"{os.path.join(path, extra[0])}: not in {MANIFEST}: not a file written with this "
+                           f"checkpoint (or the manifest is damaged)")
+    for name in sorted(expected):
+        check_entry(os.path.join(path, name), expected[name], listing)
+    items = {}  # each .distcp file's tensors, as (offset, length, name)
+    for index, info in _metadata(path).storage_data.items():
+        items.setdefault(info.relative_path, []).append((info.offset, info.length, index.fqn))
+    for name in sorted(n for n in expected if "sha256" not in expected[n]):
+        end = 0
+        with open(os.path.join(path, name), "rb") as f:
+            for offset, length, fqn in sorted(items.get(name, [])):
+                if offset != end:
+                    break
+                verify_zip(_Slice(f, offset, length), f"{os.path.join(path, name)}: {fqn}")
+                end = offset + length
+        if end != expected[name]["bytes"]:
+            raise DamagedError(f"{os.path.join(path, name)}: its tensors, as .metadata places them, do not cover "
+                               f"its {expected[name]['bytes']} bytes (a damaged .metadata, or not its file)")
+
+
+class _Slice(io.RawIOBase):
+    """The bytes [offset, offset + length) of an open binary file, as a file of their own (a tensor of a .distcp
+    file, a zip of its own, for zipfile)."""
+
+    def __init__(self, f, offset, length):
+        self.f, self.offset, self.length, self.pos = f, offset, length, 0
+
+    def seekable(self):
+        return True
+
+    def readable(self):
+        return True
+
+    def seek(self, pos, whence=0):
+        self.pos = max(0, min(self.length, [pos, self.pos + pos, self.length + pos][whence]))
+        return self.pos
+
+    def tell(self):
+        return self.pos
+
+    def readinto(self, buffer):
+        self.f.seek(self.offset + self.pos)
+        n = self.f.readinto(memoryview(buffer)[:self.length - self.pos])
+        self.pos += n
+        return n
+
+
+def _hashing(fs):
+    """DCP's file system fs, each file it writes counted, and hashed but for a .distcp file, as its bytes go through
+    (files.HashingWriter): fs.entries, by file name, what the manifest lists. DCP writes .metadata as .metadata.tmp,
+    then renames it. (fs's own create_stream wrapped, not a subclass of DCP's class: DCP is imported only where it is
+    used.)"""
+    create_stream, fs.entries = fs.create_stream, {}
+
+    @contextlib.contextmanager
+    def counted(path, mode):
+        with create_stream(path, mode) as stream:
+            if "w" not in mode:
+                yield stream
+                return
+            writer = HashingWriter(stream, sha256=not str(path).endswith(".distcp"))  # its tensors' zips: CRC-32s
+            yield writer
+        fs.entries[os.path.basename(str(path)).removesuffix(".tmp")] = writer.entry()
+
+    fs.create_stream = counted
+    return fs
+
+
 def read_state(path):
     """Everything but the tensors of a sharded checkpoint (its state.json), marked with "sharded": path; restore
-    puts its tensors into a model and its optimisers."""
+    puts its tensors into a model and its optimisers. Every file is verified first (verify)."""
+    verify(path)
     _metadata(path)
     try:
         with open(os.path.join(path, STATE_FILE)) as f:
@@ -332,7 +440,6 @@ def save(path, parts, header, master):
     Written in path.tmp, then swapped in by two renames (path -> path.old, path.tmp -> path) and path.old removed, so
     that a stop or a full disk mid-write leaves the previous checkpoint whole (resume_path completes a swap cut
     between the renames). A rank's OSError (a full disk) is raised on every rank."""
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
     tmp, old = path + ".tmp", path + ".old"
     if master and os.path.exists(tmp):
@@ -340,23 +447,53 @@ def save(path, parts, header, master):
     dist.barrier()
     model = parts["model"]
     reshard(model)
-    tensors, state = {}, {**header, "parts": list(parts)}
+    tensors, state = {}, {**header, "parts": list(parts), "manifest": MANIFEST}  # a checkpoint that has one
     for name, part in parts.items():
         tensors[name], state[name] = _split(_state_dict(part, model))
     try:
-        dcp.save(tensors, checkpoint_id=tmp)
+        files = write_tensors(tensors, tmp)
     except CheckpointException as e:  # DCP gathers every rank's failure onto every rank
         if master:
             shutil.rmtree(tmp, ignore_errors=True)  # nothing half-written is left
         raise next((exc for exc, _ in e.failures.values() if isinstance(exc, OSError)), e) from None
     if master:
-        with atomic_write(os.path.join(tmp, STATE_FILE), "w") as f:
-            json.dump(state, f)
+        with atomic_write(os.path.join(tmp, STATE_FILE)) as f:
+            hashing = HashingWriter(f)
+            hashing.write(json.dumps(state).encode())
+        write_manifest(tmp, {**files, STATE_FILE: hashing.entry()})
         if os.path.exists(path):
             os.rename(path, old)
         os.rename(tmp, path)
         fsync_dir(os.path.dirname(os.path.abspath(path)))
         shutil.rmtree(old, ignore_errors=True)
+
+
+def write_tensors(tensors, path, checksums=True, alone=False):
+    """DCP's files of tensors (a nested dict) in the directory path, every rank writing its shards (alone: this
+    process without a group). checksums: each file counted, and .metadata hashed, as DCP writes them
+    (_hashing), and torch.save's CRC-32s in the .distcp files as they are (on by default); returns every
+    rank's {file name: {"bytes"(, "sha256")}}, gathered onto each ({} without checksums)."""
+    import torch.distributed.checkpoint as dcp
+    writer = dcp.FileSystemWriter(path)
+    if checksums:
+        writer.fs = _hashing(writer.fs)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is (disabled|unavailable)")
+        dcp.save(tensors, storage_writer=writer, no_dist=alone)
+    entries = [getattr(writer.fs, "entries", {})]
+    if not alone and dist.is_initialized() and dist.get_world_size() > 1:  # to rank 0, which wrote .metadata
+        entries = [None] * dist.get_world_size()
+        dist.all_gather_object(entries, writer.fs.entries if checksums else {})
+    return {name: e for rank in entries for name, e in rank.items()}
+
+
+def write_manifest(path, files):
+    """A sharded checkpoint's manifest.json: files ({name: {"bytes"(, "sha256")}}), written last, into the directory
+    that save then renames into place (so never seen half-written), and fsynced as DCP's files are."""
+    with open(os.path.join(path, MANIFEST), "w") as f:
+        json.dump({"files": dict(sorted(files.items()))}, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def resume_path(whole, directory, sharded):
@@ -495,6 +632,10 @@ def write_streamed(path, header, shapes, fill):
         with torch.serialization.set_default_mmap_options(mmap.MAP_SHARED):
             mapped = torch.load(tmp, mmap=True, weights_only=True)["model"]
         fill(mapped)
+        # skip_data leaves each tensor's CRC-32 in the zip at 0: set from the bytes just written (in memory), in
+        # the order torch.save gave the storages their keys (data/0, data/1, ...: each fake tensor its own)
+        _set_zip_crcs(tmp, {f"data/{i}": zlib.crc32(t.detach().reshape(-1).view(torch.uint8).numpy())
+                            for i, t in enumerate(mapped.values())})
         del mapped  # unmapped: its pages are the file's
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
@@ -503,3 +644,26 @@ def write_streamed(path, header, shapes, fill):
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
+
+
+def _set_zip_crcs(path, crcs):
+    """The CRC-32s of a zip's entries ({name under the archive's folder: crc}) set in place: in its central directory,
+    what readers check, and in each entry's data descriptor (torch.save writes one after each entry's data)."""
+    with zipfile.ZipFile(path) as z:
+        infos, position = z.infolist(), z.start_dir
+    with open(path, "r+b") as f:
+        for info in infos:  # the central directory's records, in the same order
+            f.seek(position)
+            record = f.read(46)  # the fixed part of a central directory record (the zip format, APPNOTE 4.3.12)
+            name = info.filename.split("/", 1)[-1]
+            if name in crcs:
+                f.seek(position + 16)
+                f.write(struct.pack("<I", crcs[name]))
+                f.seek(info.header_offset + 26)  # the local header's name and extra lengths (APPNOTE 4.3.7)
+                n, m = struct.unpack("<HH", f.read(4))
+                descriptor = info.header_offset + 30 + n + m + info.compress_size
+                f.seek(descriptor)
+                signed = f.read(4) == b"PK\x07\x08"  # the descriptor's optional signature (APPNOTE 4.3.9)
+                f.seek(descriptor + 4 * signed)
+                f.write(struct.pack("<I", crcs[name]))
+            position += 46 + sum(struct.unpack("<HHH", record[28:34]))

@@ -373,7 +373,7 @@ def test_two_corpus_builds_give_the_same_bytes(library, tmp_path, monkeypatch):
     data.build_corpus(tmp_path / "a" / "stdlib", str(root), workers=1)
     data.build_corpus(tmp_path / "b" / "stdlib", str(root), workers=3)
     files = sorted(os.listdir(tmp_path / "a" / "stdlib"))
-    assert files == ["corpus.json", "stdlib_train_000001.bin", "stdlib_val_000000.bin"]
+    assert files == ["corpus.json", "manifest.json", "stdlib_train_000001.bin", "stdlib_val_000000.bin"]
     for f in files:
         assert (tmp_path / "a" / "stdlib" / f).read_bytes() == (tmp_path / "b" / "stdlib" / f).read_bytes()
     assert sorted(os.listdir(tmp_path / "a")) == ["stdlib"]  # no temporary folder left
@@ -406,7 +406,8 @@ def test_a_corpus_build_killed_midway_is_never_taken_for_a_whole_one(library, tm
                        text=True)
     assert r.returncode == 0, r.stderr
     assert sorted(os.listdir(corpus.parent)) == [".stdlib.lock", "stdlib"]  # the stale folder removed
-    assert sorted(os.listdir(corpus)) == ["corpus.json", "stdlib_train_000001.bin", "stdlib_val_000000.bin"]
+    assert sorted(os.listdir(corpus)) == ["corpus.json", "manifest.json", "stdlib_train_000001.bin",
+                                          "stdlib_val_000000.bin"]
 
 
 def test_processes_that_start_together_build_the_corpus_once(library, tmp_path):
@@ -419,7 +420,8 @@ def test_processes_that_start_together_build_the_corpus_once(library, tmp_path):
     assert [p.returncode for p in procs] == [0, 0, 0], outs
     said = "".join(out for out, _ in outs)
     assert said.count("not there yet; building the built-in corpus") == 1 and said.count("\nbuilt ") == 1
-    assert sorted(os.listdir(corpus)) == ["corpus.json", "stdlib_train_000001.bin", "stdlib_val_000000.bin"]
+    assert sorted(os.listdir(corpus)) == ["corpus.json", "manifest.json", "stdlib_train_000001.bin",
+                                          "stdlib_val_000000.bin"]
 
 
 def test_the_corpus_is_built_only_for_a_directory_of_its_name(tmp_path):

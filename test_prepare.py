@@ -3,6 +3,7 @@
 Never the internet: the server below runs on 127.0.0.1 in a thread and serves shards this file writes.
 """
 import gzip
+import hashlib
 import json
 import os
 import struct
@@ -19,6 +20,7 @@ import pytest
 import data
 import httpclient
 import prepare
+from conftest import in_process
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -57,7 +59,8 @@ class Handler(BaseHTTPRequestHandler):
     '503'   answer 503 Service Unavailable
     'cut'   announce the full Content-Length, send 80% of it, then drop the connection
     'short' (206 only) a Content-Range announcing a longer file than the body that comes
-    'stall' say nothing for longer than the client's read timeout, then hang up"""
+    'stall' say nothing for longer than the client's read timeout, then hang up
+    A file's answer announces its sha256 as the Hub does (X-Linked-Etag), or server.announce[name] instead."""
 
     def do_GET(self):
         srv, (name, _, query) = self.server, self.path.lstrip("/").partition("?")
@@ -96,6 +99,7 @@ class Handler(BaseHTTPRequestHandler):
             self.send_response(200)
         srv.log.append((name, rng, 206 if rng and srv.ranges else 200))
         data = body[start:]
+        self.send_header("X-Linked-Etag", f'"{srv.announce.get(name) or hashlib.sha256(body).hexdigest()}"')
         self.send_header("Content-Length", str(len(data)))
         self.end_headers()
         try:
@@ -116,7 +120,7 @@ class Handler(BaseHTTPRequestHandler):
 def server():
     srv = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
     srv.daemon_threads = True
-    srv.files, srv.faults, srv.log, srv.ranges = {}, {}, [], True
+    srv.files, srv.faults, srv.log, srv.ranges, srv.announce = {}, {}, [], True, {}
     srv.url = f"http://127.0.0.1:{srv.server_address[1]}"
     thread = threading.Thread(target=srv.serve_forever, kwargs=dict(poll_interval=0.05), daemon=True)
     thread.start()
@@ -140,10 +144,17 @@ def publish(srv, n_train, big=()):
     return dict(srv.files)
 
 
-def assert_same_files(data_dir, files):
-    assert sorted(os.listdir(data_dir)) == sorted(files)  # nothing else: no .part, no .tmp
+def entry(body):
+    """A manifest's entry of a file's bytes."""
+    return {"bytes": len(body), "sha256": hashlib.sha256(body).hexdigest()}
+
+
+def assert_same_files(data_dir, files, listed=None):
+    """data_dir holds files ({name: bytes}) and its manifest, which lists those downloaded (listed: default all)."""
+    assert sorted(os.listdir(data_dir)) == sorted([*files, data.MANIFEST])  # nothing else: no .part, no .tmp
     for name, body in files.items():
         assert (data_dir / name).read_bytes() == body, name
+    assert data.read_manifest(data_dir) == {n: entry(files[n]) for n in (files if listed is None else listed)}
 
 
 # ---------------------------------------------------------------- downloads
@@ -208,7 +219,7 @@ def test_present_files_are_skipped_without_a_request(server, tmp_path):
     stats = prepare.download_shards(tmp_path, train_shards=3, workers=2, base_url=server.url)
     assert sorted(n for n, _, _ in server.log) == [names[1], names[3]]
     assert stats["downloaded"] == 2 and stats["skipped"] == 2
-    assert_same_files(tmp_path, files)
+    assert_same_files(tmp_path, files, listed=[names[1], names[3]])
 
 
 def test_404_names_the_url(server, tmp_path):
@@ -230,6 +241,31 @@ def test_invalid_file_is_never_put_in_place(server, tmp_path, monkeypatch):
         httpclient.download_file(f"{server.url}/{name}", str(tmp_path / name), check=prepare.valid_shard)
     assert os.listdir(tmp_path) == []
     assert len(server.log) == 3
+
+
+@pytest.mark.parametrize("how", ["flip", "truncate"])
+def test_a_shard_unlike_the_one_announced_is_deleted_retried_then_refused_in_one_line(how, server, tmp_path,
+                                                                                      monkeypatch, capsys):
+    """The server announces the sha256 of the shard (as the Hub does) but sends it with a byte flipped, or cut short:
+    each attempt starts again from byte 0 (the part deleted), and the third fails in one line; the val shard, sent
+    whole, is in place and in the manifest."""
+    monkeypatch.setattr(httpclient, "MAX_TRIES", 3)
+    files = publish(server, 1)
+    name, out = prepare.shard_names(1)[1], tmp_path / "d"
+    server.announce[name] = hashlib.sha256(files[name]).hexdigest()
+    body = bytearray(files[name])
+    body[len(body) // 2] ^= 1
+    server.files[name] = bytes(body) if how == "flip" else files[name][:-2]
+    result, _, _ = in_process(prepare.main, ["--data_dir", str(out), "--train_shards", "1", "--workers", "1",
+                                             "--base_url", server.url], capsys)
+    msg = str(result)
+    assert msg.startswith(f"prepare.py: error: {server.url}/{name}: giving up after 3 failed attempts in a row (last: "
+                          f"downloaded file is ") and "\n" not in msg
+    assert (f"its sha256 {hashlib.sha256(body).hexdigest()[:16]}... differs from the "
+            f"{server.announce[name][:16]}... the server announced" if how == "flip" else "not a valid shard") in msg
+    assert [(r, s) for n, r, s in server.log if n == name] == [(None, 200)] * 3
+    assert sorted(os.listdir(out)) == sorted([prepare.shard_names(0)[0], data.MANIFEST])
+    assert data.read_manifest(out) == {prepare.shard_names(0)[0]: entry(files[prepare.shard_names(0)[0]])}
 
 
 def test_persistent_5xx_gives_up(server, tmp_path, monkeypatch):
@@ -330,7 +366,8 @@ def test_tokenize_exact_tokens_and_sharding(inputs, tmp_path, enc, enc_file, val
     assert res["documents"] == len(DOCS_JSONL) + len(DOCS_GZ) + 1 and res["tokens"] == len(expected)
     n_train = -(-(len(expected) - n_val) // 150)
     names = ["mydata_val_000000.bin"] + [f"mydata_train_{i:06d}.bin" for i in range(1, n_train + 1)]
-    assert sorted(os.listdir(out)) == sorted(names)  # default name: the data_dir's basename; no leftovers
+    assert sorted(os.listdir(out)) == sorted(names + [data.MANIFEST])  # default name: the data_dir's basename
+    assert data.read_manifest(out) == {n: entry((out / n).read_bytes()) for n in names}  # each as it was written
     assert read_tokens(out / names[0]) == expected[:n_val]
     train = [read_tokens(out / n) for n in names[1:]]
     assert all(len(t) == 150 for t in train[:-1]) and 0 < len(train[-1]) <= 150
@@ -437,8 +474,8 @@ def test_stdlib_cli_builds_the_corpus_from_a_library_folder(tmp_path, capsys):
     documents = make_library(tmp_path / "lib")
     prepare.main(["--stdlib", str(tmp_path / "lib"), "--data_dir", str(tmp_path / "d" / "stdlib"), "--workers", "1"])
     assert capsys.readouterr().out.startswith(f"built {tmp_path / 'd' / 'stdlib'}: {len(documents)} documents")
-    assert sorted(os.listdir(tmp_path / "d" / "stdlib")) == ["corpus.json", "stdlib_train_000001.bin",
-                                                             "stdlib_val_000000.bin"]
+    assert sorted(os.listdir(tmp_path / "d" / "stdlib")) == ["corpus.json", "manifest.json",
+                                                             "stdlib_train_000001.bin", "stdlib_val_000000.bin"]
     with pytest.raises(SystemExit, match="stdlib: already exists; remove it to build the corpus again"):
         prepare.main(["--stdlib", str(tmp_path / "lib"), "--data_dir", str(tmp_path / "d" / "stdlib")])
     with pytest.raises(SystemExit, match=f"{tmp_path / 'none'}: no such Python library folder"):
@@ -452,6 +489,8 @@ def test_stdlib_cli_builds_the_corpus_from_a_library_folder(tmp_path, capsys):
     (["--tokenize", "a.txt", "--data_dir", "d", "--base_url", "http://x"], "--base_url is for downloads"),
     (["--stdlib", "--tokenize", "a.txt"], "--stdlib builds the built-in corpus; --tokenize does not apply to it"),
     (["--stdlib", "--train_shards", "2"], "--stdlib builds the built-in corpus; --train_shards does not apply"),
+    (["--verify"], "--verify takes --data_dir alone"),
+    (["--verify", "--data_dir", "d", "--tokenize", "a.txt"], "--verify takes --data_dir alone"),
 ])
 def test_cli_usage_errors(argv, message, capsys):
     with pytest.raises(SystemExit) as e:

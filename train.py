@@ -42,7 +42,7 @@ import parallel
 import sharding
 from checkpoint import RNG, branch_path, checkpoint_path, is_branch, kept_path, load_resumable, save_weights
 from configurator import help_text, key_comments, read_args, wants_help
-from data import DataLoader, ensure_corpus, val_batches
+from data import DataLoader, check_data, ensure_corpus, val_batches
 from model import GPT, GPTConfig
 from optim import Muon, Optimizers, clip_gradients, muon_params
 from parallel import PREEMPTED, STOP_SIGNALS, RunFailed, StopSignals, Worker
@@ -57,6 +57,8 @@ class TrainConfig:
     # I/O
     data_dir: str = "data/finewebedu10B"  # shards from prepare.py (*_train_*.bin, *_val_*.bin); one named stdlib
                                           # is built from this Python's library when missing
+    verify_data: bool = False  # also check every shard's sha256 against data_dir's manifest.json at start (reads
+                               # every byte; the sizes are checked at every start)
     out_dir: str = "out"  # ckpt.pt and log.jsonl
     init_from: str = "scratch"  # 'scratch', 'resume' (continue from <out_dir>/ckpt.pt), 'auto' (resume if it
                                 # exists), or a ckpt_<step>_full.pt to branch from
@@ -141,9 +143,10 @@ ALL_DEFAULTS = {**DEFAULTS, **{f.name: f.default for f in fields(GPTConfig)}}
 # The keys in two kinds. Execution keys change how, when, where or how long a run goes, never what a step computes
 # (batch_size: at the same total_batch_size; data_dir: the same corpus, moved): a resume may change them. Every other
 # key (a fork's new one too) and every model key is a recipe key: a resume takes it from the checkpoint, unchanged.
-EXECUTION = {"data_dir", "out_dir", "init_from", "eval_only", "log_interval", "eval_interval", "eval_tokens",
-             "ckpt_interval", "keep_every", "keep_full", "wandb_log", "wandb_project", "wandb_run_name", "batch_size",
-             "max_steps", "activation_checkpointing", "fsdp", "device", "compile", "dist_timeout", "gpu_peak_flops"}
+EXECUTION = {"data_dir", "verify_data", "out_dir", "init_from", "eval_only", "log_interval", "eval_interval",
+             "eval_tokens", "ckpt_interval", "keep_every", "keep_full", "wandb_log", "wandb_project", "wandb_run_name",
+             "batch_size", "max_steps", "activation_checkpointing", "fsdp", "device", "compile", "dist_timeout",
+             "gpu_peak_flops"}
 # Execution keys that change no result nor logged value, bit for bit: a branch's own, and no variant's in sweep.py
 BRANCH_FREE = EXECUTION - {"data_dir", "eval_tokens", "batch_size", "activation_checkpointing", "fsdp", "device",
                            "compile"}
@@ -259,7 +262,7 @@ def configure(given, cfg, worker):
         model_config = GPTConfig(**{k: v for k, v in {**ALL_DEFAULTS, **given}.items() if k in MODEL_KEYS})
     else:  # each key left out is the checkpoint's, but PER_START's (and a branch's BRANCH_FREE keys: its own)
         model_config = GPTConfig.from_dict(ckpt["model_config"], f"{path}: model_config")
-        branch = is_branch(path, cfg.out_dir)
+        branch = is_branch(path, cfg.out_dir) and cfg.init_from != "auto"  # auto: out_dir's own, maybe a kept one
         changeable, why = ((BRANCH_FREE, "a branch changes max_steps only") if branch else (set(DEFAULTS), "the "
                            "model is the checkpoint's") if cfg.eval_only else (EXECUTION, "a run continues with the "
                                                                                 "recipe it was saved with"))
@@ -307,6 +310,10 @@ def build(cfg, model_config, worker):
     """The data readers (every shard checked now, the val shard too), the model (seeded), its optimisers, and the
     resumable parts: what a checkpoint saves, by name (a fork's own part is registered here)."""
     T, V, rank, world = model_config.block_size, model_config.vocab_size, worker.rank, worker.world_size
+    unlisted = check_data(cfg.data_dir, hashes=cfg.verify_data)  # against its manifest: sizes; sha256 if asked
+    if unlisted and cfg.verify_data:
+        worker.say(f"note: {cfg.data_dir}: {len(unlisted)} shard(s) not in a manifest.json, not verified "
+                   f"({unlisted[0]}{', ...' * (len(unlisted) > 1)})")
     accum = cfg.total_batch_size // (cfg.batch_size * T * world)  # micro-steps per step (check: a whole number)
     # one window of total_batch_size tokens per step, split into micro-steps: the same tokens whatever the mix
     # of processes and accumulation (and at shard ends, too)
