@@ -112,7 +112,7 @@ class TrainConfig:
     dry_run: bool = False  # print each rank's peak GPU memory by kind, whether it fits, and every error the launch
                            # would hit; exit status 1 if it does not fit or would fail
     dry_world_size: int = 0  # processes of the launch dry-run (0: torchrun's WORLD_SIZE, or 1)
-    gpu_memory: float = 80  # GB of memory of each GPU, for the dry run (80: an H100's, the documented commands' size)
+    gpu_memory: float = 80.0  # GB of memory of each GPU, for the dry run (80: an H100's, the documented commands' size)
     seed: int = 42  # seed of torch, numpy and random
 
     def check(self, model_config, world_size):
