@@ -298,7 +298,8 @@ def documented_runs():
     """Every `python train.py CONFIG...` of the pages that trains (not --help, not a checkpoint's --eval_only)."""
     runs = []
     for where, words in every_command():
-        if words[:2] == ["python", "train.py"] and train_args(words[2:])[0] and "--eval_only=True" not in words:
+        if words[:2] == ["python", "train.py"] and train_args(words[2:])[0] and not {"--eval_only=True",
+                                                                                 "--dry_run=True"} & set(words):
             runs.append(pytest.param(words[2:], id=where))
     return runs
 
@@ -340,7 +341,7 @@ def documented_launches():
             continue  # the static test reports it
         files, overrides = train_args(args)
         if script in TRAIN_LIKE and files and processes and not any(
-                o.startswith(("--init_from=resume", "--eval_only=True")) for o in overrides):
+                o.startswith(("--init_from=resume", "--eval_only=True", "--dry_run=True")) for o in overrides):
             key = (processes, tuple(sorted((k, v) for k, v in load_config(files + overrides, train.ALL_DEFAULTS)
                                            .items() if k not in train.BRANCH_FREE)))  # what a step holds
             if key not in seen:
