@@ -845,7 +845,7 @@ def test_a_forked_variant_passes_the_generic_tests(tmp_path):
     """A fork that adds a granularity (one line in GRANULARITY_SHAPES) and a config file using it, with a
     training key in it too, runs the generic tests on it and passes them; README.md needs no change."""
     for name in ("model.py", "checkpoint.py", "hf.py", "configurator.py", "data.py", "optim.py", "parallel.py",
-                 "runlog.py", "train.py", "files.py", "sharding.py",
+                 "runlog.py", "train.py", "files.py", "sharding.py", "dryrun.py",
                  "conftest.py", "pytest.ini",
                  "test_model.py", "README.md"):
         shutil.copy(os.path.join(ROOT, name), tmp_path / name)

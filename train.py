@@ -25,7 +25,6 @@ the checkpoint's: model keys may be left out, and any that is given must agree w
 other keys, but those that change only how, when or where a run goes (EXECUTION), such as max_steps.
 SIGTERM, SIGINT or SIGUSR1 stop a run after its current step, with a checkpoint, and exit with status 75.
 """
-import contextlib
 import importlib.util
 import math
 import os
