@@ -100,6 +100,11 @@ class TrainConfig:
                            # the authors trained
     fsdp: bool = False  # under torchrun: weights, gradients, optimiser states sharded over the processes (FSDP2),
                         # not DDP
+    # the dry run: the launch traced in one process on a CPU, nothing trained (dryrun.py)
+    dry_run: bool = False  # print each rank's peak GPU memory by kind, whether it fits, and every error the launch
+                           # would hit; exit status 1 if it does not fit or would fail
+    dry_world_size: int = 0  # processes of the launch dry-run (0: torchrun's WORLD_SIZE, or 1)
+    gpu_memory: float = 80.0  # GB of memory of each GPU, for the dry run (80: an H100's, the documented commands' size)
     # system
     device: str = None  # None: cuda if available, else cpu
     dtype: str = None  # None: bfloat16 autocast on cuda (fp32 master weights), float32 on cpu
@@ -107,11 +112,6 @@ class TrainConfig:
     dist_timeout: int = 900  # seconds a collective may wait for the other processes (a dead or hung rank, a slow
                              # checkpoint write)
     gpu_peak_flops: float = 989e12  # dense bf16 peak of one GPU (H100/H200), for MFU
-    # the dry run: the launch traced in one process on a CPU, nothing trained (dryrun.py)
-    dry_run: bool = False  # print each rank's peak GPU memory by kind, whether it fits, and every error the launch
-                           # would hit; exit status 1 if it does not fit or would fail
-    dry_world_size: int = 0  # processes of the launch dry-run (0: torchrun's WORLD_SIZE, or 1)
-    gpu_memory: float = 80.0  # GB of memory of each GPU, for the dry run (80: an H100's, the documented commands' size)
     seed: int = 42  # seed of torch, numpy and random
 
     def check(self, model_config, world_size):
