@@ -35,7 +35,7 @@ HEADROOM = 0.9  # of a GPU's memory usable by tensors: the rest for what no trac
 # the trackers' kinds (torch.distributed._tools' reference types, by their names) in the kinds this table prints
 KINDS = {"parameters": ("Parameter", "Buffer", "Sharded Param", "Unsharded Param"),
          "gradients": ("Gradient", "Sharded Grad", "Unsharded Grad"),
-         "optimiser states": ("Optstate", "OptState"),
+         "optimiser": ("Optstate", "OptState"),  # its states, and what its step makes (Muon's exchange, ...)
          "activations": ("Activation",),
          "collectives": ("All Gather", "Reduce Scatter"),
          "temporaries": ("Temp", "Inputs", "Other")}
@@ -78,7 +78,8 @@ def tracker(model, optimizers, sharded):
         t._track_optimizer_states(_FSDPRefType.OPT, opt)
         t._in_opt = False
 
-    for opt in rest:  # FSDPMemTracker's own two hooks (_instrument_optimizer), on the others: it takes only one
+    for opt in rest:  # FSDPMemTracker's own (_instrument_optimizer), for the others: it takes only one optimiser
+        t._track_optimizer_states(_FSDPRefType.OPT, opt)
         opt.register_step_pre_hook(lambda *_: setattr(t, "_in_opt", True))
         opt.register_step_post_hook(after)
     return t

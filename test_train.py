@@ -964,10 +964,11 @@ def dry_run(args, capsys):
 
 def test_a_dry_run_that_does_not_fit_exits_1_and_says_so(capsys):
     """The same launch on a GPU of 80 GB fits; on one of 1 MB it does not: exit status 1 (a message), and the verdict
-    line says so. Parameters, gradients and optimiser states are in the table, by kind."""
+    line says so. Parameters, gradients, the optimisers' states and steps, activations and collectives are in the
+    table, by kind."""
     fits, out = dry_run(SMALL + ["--dry_world_size=4", "--fsdp=True", "--total_batch_size=256"], capsys)
     assert fits is None and "dry run: 4 rank(s), FSDP" in out and ": fits (" in out
-    assert all(kind in out for kind in ("parameters", "gradients", "optimiser states", "activations", "collectives"))
+    assert all(kind in out for kind in ("parameters", "gradients", "optimiser", "activations", "collectives"))
     code, out = dry_run(SMALL + ["--dry_world_size=4", "--fsdp=True", "--total_batch_size=256", "--gpu_memory=0.001"],
                         capsys)
     assert "dry run" in code and ": does NOT fit (" in out and "dry run: error" not in out

@@ -294,6 +294,11 @@ def dry_run(given, cfg):
         model, eval_model, train_model, optimizers = build_model(cfg, model_config, worker, storage=fake)
         # causal attention: the memory of FlexAttention's document masks on a GPU (no T x T scores), dryrun.py
         run = Run(replace(cfg, doc_mask=False), worker, accum, model, eval_model, train_model, optimizers, None, {})
+        with fake:  # the clip and the optimisers once, untracked: DTensor runs each new op's sharding propagation on
+            for p in model.parameters():  # whole-size fake tensors once, which a tracker would count as held
+                p.grad = torch.zeros_like(p) if p.requires_grad else None
+            clip_norm(run.model, cfg.grad_clip)
+            update(run)
         tracker = dryrun.tracker(model, optimizers, cfg.fsdp)
         with fake, tracker:
             def batches():  # fake tokens; the tracker takes each micro-step's forward as a new one
@@ -301,13 +306,16 @@ def dry_run(given, cfg):
                     tracker.reset_mod_stats()
                     yield torch.randint(V, (b, T)), torch.randint(V, (b, T)), i == accum - 1
 
-            for _ in range(2):  # the first step makes the optimisers' states, the second holds them throughout
+            stepped, top = False, 0  # whether the peak grew last in an optimiser step; the peak so far
+            for _ in range(2):  # every micro-step of a step, twice
                 accumulate(run, batches())
                 clip_norm(run.model, cfg.grad_clip)
                 before = dryrun.by_kind(tracker.get_tracker_snapshot("peak"))[1]
                 update(run)
+                stepped = dryrun.by_kind(tracker.get_tracker_snapshot("peak"))[1] > before or (stepped and before == top)
+                top = dryrun.by_kind(tracker.get_tracker_snapshot("peak"))[1]
         peaks = dryrun.by_kind(tracker.get_tracker_snapshot("peak"))
-        where = "an optimiser step" if peaks[1] > before else "forward and backward"
+        where = "an optimiser step" if stepped else "forward and backward"
         owned = dryrun.muon_owners(optimizers, world) if cfg.fsdp else None
         lines, fits = dryrun.report(peaks, world, cfg.gpu_memory, where, cfg.fsdp, owned)
         for line in lines:
