@@ -17,6 +17,8 @@ What the emulation leaves out, or changes, and why the margin (HEADROOM) stays:
   - bf16 autocast is the CPU's (the same ops run in bf16 as on CUDA for the matmuls; a few elementwise ones may
     differ).
 """
+import copy
+
 import torch
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -63,16 +65,36 @@ def fake_tensors():
     return FakeTensorMode(allow_non_fake_inputs=True)
 
 
+class _GlobalPeak:
+    """torch's tracker, keeping only the peak of the whole process: its per-module peaks, which the dry run does not
+    read, walk every module's stats at every op (O(layers²) a step: 348 s of CPU for the 1B's DDP dry run at 8 ranks,
+    2 cores, torch 2.13). The rest is torch's _update_peak_stats as it is."""
+
+    def _update_peak_stats(self, peak_state):
+        for dev, snap in self._curr_mem_snap.items():
+            if self._peak_mem.get(dev, 0) < snap["Total"]:
+                self._peak_mem[dev] = snap["Total"]
+                self._peak_mem_snap[dev] = copy.deepcopy(snap)
+
+
+class _MemTracker(_GlobalPeak, MemTracker):
+    pass
+
+
+class _FSDPMemTracker(_GlobalPeak, FSDPMemTracker):
+    pass
+
+
 def tracker(model, optimizers, sharded):
     """torch's memory tracker of the step: FSDPMemTracker for a sharded model (it follows FSDP's gathers and
     reduce-scatters; it takes one optimiser, and the others' states are counted through their step hooks, as it
     counts its own), MemTracker otherwise (every optimiser through torch's global step hooks)."""
     if not sharded:
-        t = MemTracker()
+        t = _MemTracker()
         t.track_external(model, *optimizers.values())
         return t
     first, *rest = optimizers.values()
-    t = FSDPMemTracker(model, first)
+    t = _FSDPMemTracker(model, first)
 
     def after(opt, *_):
         t._track_optimizer_states(_FSDPRefType.OPT, opt)
