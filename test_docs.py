@@ -228,8 +228,11 @@ def label(files):
 def gpu_runs(script, args, processes):
     """(config files, flat configuration, processes) of each run a command launches at a GPU's size: train.py's,
     train.sbatch's, each variant of sweep.py's (one GPU a run). The quick start's and the tests' CPU sizes
-    (configs/tiny.py, a size on the command line) and runs of a checkpoint's model (no config file) are not."""
+    (configs/tiny.py, a size on the command line), runs of a checkpoint's model (no config file) and dry runs are
+    not."""
     files, overrides = train_args(args)
+    if "--dry_run=True" in overrides:  # traced on a CPU: it launches nothing
+        return
     if script == "sweep.py":
         runs = [(v.split("+"), 1) for v in files if v.endswith(".py")]  # one GPU a run
         overrides = [o for o in overrides if o.split("=")[0] not in help_flags("sweep.py")]
