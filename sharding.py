@@ -39,8 +39,9 @@ from model import GPTConfig, check_state
 
 def fully_shard_model(model, worker):
     """model (built on the meta device, or on the CPU) sharded in place with FSDP2 over the worker's ranks, each unit
-    moved to its device as it is sharded (a meta model's stay there until to_empty gives its shards storage): every block, the embedding and the anchor projection are units of their own, gathered for
-    their forward and backward only; the root unit holds the rest (lm_head, ln_f, the anchor norms): the loss reads
+    moved to its device as it is sharded (a meta model's stay there until to_empty gives its shards storage): every
+    block, the embedding and the anchor projection are units of their own, gathered for their forward and backward
+    only; the root unit holds the rest (lm_head, ln_f, the anchor norms): the loss reads
     lm_head's weight instead of calling the module (model.LMHeadLoss), so a unit of its own would never be gathered.
     Blocks are compiled one by one, as torchtitan does, when the worker compiles. In bf16 (CUDA's default)
     the parameters are gathered in bf16 and the gradients reduced in fp32 (MixedPrecisionPolicy); the shards, what

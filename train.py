@@ -312,8 +312,8 @@ def dry_run(given, cfg):
                 clip_norm(run.model, cfg.grad_clip)
                 before = dryrun.by_kind(tracker.get_tracker_snapshot("peak"))[1]
                 update(run)
-                stepped = dryrun.by_kind(tracker.get_tracker_snapshot("peak"))[1] > before or (stepped and before == top)
-                top = dryrun.by_kind(tracker.get_tracker_snapshot("peak"))[1]
+                now = dryrun.by_kind(tracker.get_tracker_snapshot("peak"))[1]
+                stepped, top = now > before or (stepped and before == top), now
         peaks = dryrun.by_kind(tracker.get_tracker_snapshot("peak"))
         where = "an optimiser step" if stepped else "forward and backward"
         owned = dryrun.muon_owners(optimizers, world) if cfg.fsdp else None
