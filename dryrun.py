@@ -22,8 +22,6 @@ import copy
 import torch
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.distributed._tools import FSDPMemTracker, MemTracker
-from torch.distributed._tools.fsdp2_mem_tracker import _FSDPRefType
 
 from optim import Muon, moment_shape
 from parallel import Runtime, Worker
@@ -77,24 +75,19 @@ class _GlobalPeak:
                 self._peak_mem_snap[dev] = copy.deepcopy(snap)
 
 
-class _MemTracker(_GlobalPeak, MemTracker):
-    pass
-
-
-class _FSDPMemTracker(_GlobalPeak, FSDPMemTracker):
-    pass
-
-
 def tracker(model, optimizers, sharded):
     """torch's memory tracker of the step: FSDPMemTracker for a sharded model (it follows FSDP's gathers and
     reduce-scatters; it takes one optimiser, and the others' states are counted through their step hooks, as it
     counts its own), MemTracker otherwise (every optimiser through torch's global step hooks)."""
+    # imported here: they import dynamo, which no run but a dry one should pay for (~2 CPU-s a process)
+    from torch.distributed._tools import FSDPMemTracker, MemTracker
+    from torch.distributed._tools.fsdp2_mem_tracker import _FSDPRefType
     if not sharded:
-        t = _MemTracker()
+        t = type("MemTracker", (_GlobalPeak, MemTracker), {})()
         t.track_external(model, *optimizers.values())
         return t
     first, *rest = optimizers.values()
-    t = _FSDPMemTracker(model, first)
+    t = type("FSDPMemTracker", (_GlobalPeak, FSDPMemTracker), {})(model, first)
 
     def after(opt, *_):
         t._track_optimizer_states(_FSDPRefType.OPT, opt)
