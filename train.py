@@ -101,7 +101,7 @@ class TrainConfig:
     fsdp: bool = False  # under torchrun: weights, gradients, optimiser states sharded over the processes (FSDP2),
                         # not DDP
     # the dry run: the launch traced in one process on a CPU, nothing trained (dryrun.py)
-    dry_run: bool = False  # print each rank's peak GPU memory by kind, whether it fits, and every error the launch
+    dry_run: bool = False  # print rank 0's peak GPU memory by kind, whether it fits, and every error the launch
                            # would hit; exit status 1 if it does not fit or would fail
     dry_world_size: int = 0  # processes of the launch dry-run (0: torchrun's WORLD_SIZE, or 1)
     gpu_memory: float = 80.0  # GB of memory of each GPU, for the dry run (80: an H100's, the documented commands' size)
