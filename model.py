@@ -277,9 +277,7 @@ class GPT(nn.Module):
         self.apply(self._init_weights)
         # zero-initialised output layers (the authors' model.py, as modded-nanogpt): each block starts as the
         # identity, the logits at 0; the dynamic scales start at sigmoid(0) = 0.5 (§3.6)
-        zero = [self.lm_head] + [m for b in self.blocks for m in (b.attn.c_proj, b.mlp.fc2)] + \
-               [b.attn.dyn.fc2 for b in self.blocks if b.attn.dyn is not None]
-        for m in zero:
+        for m in self.zero_initialised():
             nn.init.zeros_(m.weight)
             if m.bias is not None:
                 nn.init.zeros_(m.bias)
@@ -292,6 +290,54 @@ class GPT(nn.Module):
             nn.init.trunc_normal_(m.weight, std=INIT_STD, a=-3 * INIT_STD, b=3 * INIT_STD)
             if getattr(m, "bias", None) is not None:
                 nn.init.zeros_(m.bias)
+
+    def zero_initialised(self):
+        """The output layers that start at zero: lm_head, each block's c_proj and fc2, the dynamic scales' fc2."""
+        return [self.lm_head] + [m for b in self.blocks for m in (b.attn.c_proj, b.mlp.fc2)] + \
+               [b.attn.dyn.fc2 for b in self.blocks if b.attn.dyn is not None]
+
+    @torch.no_grad()
+    def init_weights(self, write=None):
+        """Give a GPT built on the meta device, then given storage (to_empty; sharded or not), exactly the values
+        that GPT(config) on the CPU starts with from the same state of the global generator, and leave the generator
+        where GPT(config) leaves it: the draws of each Linear's and the embedding's construction (their
+        reset_parameters, discarded), then __init__'s own, in the same order. Each parameter is made whole on the CPU,
+        one at a time, and write(param, whole) stores the part of it that param holds (default: all of it; a shard's
+        rows under FSDP, sharding.write_part): a process holds one parameter in host memory, never the model."""
+        write = write or (lambda param, whole: param.copy_(whole))
+        drawn = [m for m in self.modules() if isinstance(m, (nn.Linear, nn.Embedding))]  # construction's order
+        for m in drawn:  # each built again on the CPU, as __init__ built it: the same draws
+            if isinstance(m, nn.Linear):
+                nn.Linear(m.in_features, m.out_features, bias=m.bias is not None)
+            else:
+                nn.Embedding(m.num_embeddings, m.embedding_dim)
+        zero, done = set(map(id, self.zero_initialised())), set()
+        for m in drawn:  # self.apply(self._init_weights) visits them in the same order
+            whole = torch.empty(m.weight.shape, dtype=m.weight.dtype)
+            nn.init.trunc_normal_(whole, std=INIT_STD, a=-3 * INIT_STD, b=3 * INIT_STD)  # as _init_weights
+            write(m.weight, whole.zero_() if id(m) in zero else whole)
+            if getattr(m, "bias", None) is not None:
+                write(m.bias, torch.zeros(m.bias.shape, dtype=m.bias.dtype))
+            done |= {id(p) for p in m.parameters(recurse=False)}
+        lam = DYNAMIC_LAMBDA_INIT if self.config.dynamic else LAMBDA_INIT
+        for name, p in self.named_parameters():
+            if id(p) in done:
+                continue
+            owner = self.get_submodule(name.rpartition(".")[0])
+            if isinstance(owner, RMSNorm):
+                write(p, torch.ones(p.shape, dtype=p.dtype))
+            elif isinstance(owner, nn.ParameterDict) and name.split(".")[-2] == "lam":  # every λ
+                write(p, torch.full(p.shape, lam, dtype=p.dtype))
+            else:
+                raise ValueError(f"GPT.init_weights: no initial value for the parameter {name}: give it the one "
+                                 f"GPT.__init__ gives it")
+        other = [n for n, _ in self.named_buffers() if n not in ("rope_cos", "rope_sin")]
+        if other:
+            raise ValueError(f"GPT.init_weights: no initial value for the buffer {other[0]}: give it the one "
+                             f"GPT.__init__ gives it")
+        for buffer, value in zip((self.rope_cos, self.rope_sin), rotary_tables(
+                self.config.head_dim, self.config.block_size, self.config.rope_theta)):
+            buffer.copy_(value)
 
     def num_params(self):
         return sum(p.numel() for p in self.parameters())

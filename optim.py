@@ -251,4 +251,10 @@ def describe_optimizers(optimizers, model=None):
 def clip_gradients(model, max_norm):
     """Clip the global gradient norm to max_norm; return the norm before clipping (a sharded model's is summed from
     its shards)."""
-    return sharding.full_value(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)).item()
+    return sharding.full_value(clip_norm(model, max_norm)).item()
+
+
+def clip_norm(model, max_norm):
+    """clip_gradients's clip, its norm left a tensor on the device (a DTensor under FSDP): no sync, and fake tensors
+    (the dry run) go through."""
+    return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)

@@ -39,9 +39,10 @@ from model import GPTConfig, check_state
 # ----------------------------------------------------------------------------- the model, sharded
 
 def fully_shard_model(model, worker):
-    """model (built on the CPU) sharded in place with FSDP2 over the worker's ranks, each unit moved to its device
-    as it is sharded: every block, the embedding and the anchor projection are units of their own, gathered for
-    their forward and backward only; the root unit holds the rest (lm_head, ln_f, the anchor norms): the loss reads
+    """model (built on the meta device, or on the CPU) sharded in place with FSDP2 over the worker's ranks, each unit
+    moved to its device as it is sharded (a meta model's stay there until to_empty gives its shards storage): every
+    block, the embedding and the anchor projection are units of their own, gathered for their forward and backward
+    only; the root unit holds the rest (lm_head, ln_f, the anchor norms): the loss reads
     lm_head's weight instead of calling the module (model.LMHeadLoss), so a unit of its own would never be gathered.
     Blocks are compiled one by one, as torchtitan does, when the worker compiles. In bf16 (CUDA's default)
     the parameters are gathered in bf16 and the gradients reduced in fp32 (MixedPrecisionPolicy); the shards, what
@@ -68,6 +69,19 @@ def fully_shard_model(model, worker):
         if unit is not None:
             fully_shard(unit, **shard)
     return fully_shard(model, **shard)
+
+
+def write_part(param, whole):
+    """Store in param the part of whole (the parameter's whole value) that this process holds: under FSDP its shard,
+    the rows chunk_rows gives this rank; else all of it (GPT.init_weights's write)."""
+    if not isinstance(param, DTensor):
+        return param.copy_(whole)
+    mine = param.to_local()
+    if mine.shape == whole.shape:  # all the rows
+        return mine.copy_(whole)
+    rows, rank = chunk_rows(whole.shape[0], param.device_mesh.size()), param.device_mesh.get_local_rank()
+    start = sum(rows[:rank])
+    return mine.copy_(whole[start:start + rows[rank]])
 
 
 def check_optimizers(model, optimizers):

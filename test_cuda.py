@@ -1,10 +1,12 @@
 """Tests of the CUDA path, which the CPU tests cannot reach: FlexAttention's document mask and its backward, the
 compiled step with a new BlockMask every batch, bf16 autocast against fp32, NCCL under torchrun with a stop and a
 resume (DDP, and FSDP with bf16 gathers and compiled blocks), FSDP's mixed precision against fp32, the sharded Muon
-step over NCCL (2 GPUs), the KV cache, and a step's peak memory against bench.py's estimate. They run only where torch
-sees a GPU; elsewhere pytest reports them skipped, with the reason. Small sizes: a few minutes on one GPU."""
+step over NCCL (2 GPUs), the KV cache, and a step's peak memory against bench.py's estimate and against the dry
+run's. They run only where torch sees a GPU; elsewhere pytest reports them skipped, with the reason. Small sizes: a
+few minutes on one GPU."""
 import copy
 import math
+import re
 import signal
 import sys
 
@@ -22,6 +24,7 @@ from model import GPT, KVCache, document_mask, generate
 from test_model import FAMILIES, compiled_graphs, fresh_dynamo, layouts, randomize, tokens, variant  # noqa: F401
 from test_faults import finish, run, start, wait_for_step
 from checkpoint import load_checkpoint
+from configurator import read_args
 from test_fsdp import _sharded_step_worker
 from test_train import (DOCS, SMALL, assert_same_run, check_process_group_and_ddp, doc_data_dir,  # noqa: F401
                         free_port, one_process_torchrun)
@@ -259,3 +262,37 @@ def test_sharded_muon_over_nccl_equals_the_unsharded_step(tmp_path):
     mp.spawn(_sharded_step_worker, args=(2, free_port(), names, str(tmp_path / "r"), "cuda"), nprocs=2)
     for name, (diffs, stepped, shapes) in torch.load(tmp_path / "r", weights_only=True).items():
         assert stepped == shapes and (diffs["weights"], diffs["states"]) == (0, 0), (name, diffs)
+
+
+def test_the_dry_runs_peak_against_the_real_steps(capsys):
+    """The dry run's peak (train.py --dry_run=True: fake tensors, torch's MemTracker, one process) against
+    torch.cuda.max_memory_allocated of the same two optimiser steps run on the GPU (train.build_model, accumulate,
+    clip, update; eager bf16, causal attention as the dry run traces it): within a quarter either way. Both are
+    printed (pytest -s): docs/GPU.md and docs/MEMORY.md wait for them."""
+    args = ["configs/dyn_exo.py", "--n_layer=4", "--n_embd=512", "--n_head=8", "--block_size=2048", "--batch_size=4",
+            "--total_batch_size=16384", "--doc_mask=False", "--compile=False", "--device=cuda"]  # 2 micro-steps
+    try:
+        train.main(args + ["--dry_run=True"])
+    except SystemExit as e:
+        pytest.fail(f"the dry run failed: {e.code}")
+    out = capsys.readouterr().out
+    dry = float(re.search(r"the peak, during [^:]+: ([\d.]+) GiB", out)[1]) * 2**30
+    given = read_args(args, train.ALL_DEFAULTS)
+    cfg = train.TrainConfig(**{k: v for k, v in given.items() if k in train.DEFAULTS})
+    worker = parallel.join(cfg)
+    cfg, config, _, _ = train.configure(given, cfg, worker)
+    model, eval_model, train_model, optimizers = train.build_model(cfg, config, worker)
+    accum = cfg.total_batch_size // (cfg.batch_size * config.block_size)
+    run = train.Run(cfg, worker, accum, model, eval_model, train_model, optimizers, None, {})
+    torch.cuda.reset_peak_memory_stats()
+    for _ in range(2):
+        batches = [(torch.randint(config.vocab_size, (cfg.batch_size, config.block_size), device=DEVICE),
+                    torch.randint(config.vocab_size, (cfg.batch_size, config.block_size), device=DEVICE),
+                    i == accum - 1) for i in range(accum)]
+        train.accumulate(run, batches)
+        optim.clip_norm(model, cfg.grad_clip)
+        train.update(run)
+    real = torch.cuda.max_memory_allocated()
+    with capsys.disabled():
+        print(f"\ndry run's peak {dry / 2**30:.2f} GiB, the GPU's max_memory_allocated {real / 2**30:.2f} GiB")
+    assert 0.75 * real < dry < 1.25 * real, (dry / 2**30, real / 2**30)

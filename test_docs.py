@@ -228,8 +228,11 @@ def label(files):
 def gpu_runs(script, args, processes):
     """(config files, flat configuration, processes) of each run a command launches at a GPU's size: train.py's,
     train.sbatch's, each variant of sweep.py's (one GPU a run). The quick start's and the tests' CPU sizes
-    (configs/tiny.py, a size on the command line) and runs of a checkpoint's model (no config file) are not."""
+    (configs/tiny.py, a size on the command line), runs of a checkpoint's model (no config file) and dry runs are
+    not."""
     files, overrides = train_args(args)
+    if "--dry_run=True" in overrides:  # traced on a CPU: it launches nothing
+        return
     if script == "sweep.py":
         runs = [(v.split("+"), 1) for v in files if v.endswith(".py")]  # one GPU a run
         overrides = [o for o in overrides if o.split("=")[0] not in help_flags("sweep.py")]
@@ -298,7 +301,8 @@ def documented_runs():
     """Every `python train.py CONFIG...` of the pages that trains (not --help, not a checkpoint's --eval_only)."""
     runs = []
     for where, words in every_command():
-        if words[:2] == ["python", "train.py"] and train_args(words[2:])[0] and "--eval_only=True" not in words:
+        if words[:2] == ["python", "train.py"] and train_args(words[2:])[0] and not {"--eval_only=True",
+                                                                                 "--dry_run=True"} & set(words):
             runs.append(pytest.param(words[2:], id=where))
     return runs
 
@@ -323,6 +327,57 @@ def test_every_documented_training_run_runs_at_a_tiny_size(args, shards, tmp_pat
     train.main(args + TINY + [f"--data_dir={shards}", f"--out_dir={out}"])
     last = [json.loads(line) for line in open(out / "log.jsonl")][-1]
     assert last["step"] == 2 and np.isfinite(last["train_loss"]) and os.path.exists(out / "ckpt.pt")
+
+
+DRY_SIZE = ["--n_layer=1", "--n_embd=64", "--n_head=2", "--block_size=32", f"--vocab_size={VOCAB}"]
+
+
+def documented_launches():
+    """Every documented launch of train.py (python, torchrun, sbatch of train.sbatch) that starts a run of config
+    files: (where, its arguments, processes), each configuration once (at its first place). Continuing a run's
+    checkpoint (--init_from=resume, --eval_only) is not."""
+    found, seen = [], set()
+    for where, words in every_command():
+        try:
+            script, args, processes = split_command(words)
+        except (ValueError, IndexError):
+            continue  # the static test reports it
+        files, overrides = train_args(args)
+        if script in TRAIN_LIKE and files and processes and not any(
+                o.startswith(("--init_from=resume", "--eval_only=True", "--dry_run=True")) for o in overrides):
+            key = (processes, tuple(sorted((k, v) for k, v in load_config(files + overrides, train.ALL_DEFAULTS)
+                                           .items() if k not in train.BRANCH_FREE)))  # what a step holds
+            if key not in seen:
+                seen.add(key)
+                found.append(pytest.param(args, processes, id=where))
+    return found
+
+
+def dry_tiny(args, processes):
+    """train.py's arguments for a dry run of a launch at a tiny size: its config files and keys as written, at 2
+    layers of width 64 and 32-token windows, with total_batch_size scaled as block_size is, so that what divides at
+    the launch's size (micro-steps, processes) divides here too."""
+    flat = load_config(train_args(args)[0] + train_args(args)[1], train.ALL_DEFAULTS)
+    total = flat["total_batch_size"] * 32 // flat["block_size"]
+    return args + DRY_SIZE + [f"--total_batch_size={total}", "--dry_run=True", f"--dry_world_size={processes}"]
+
+
+@pytest.mark.parametrize("args,processes", documented_launches())
+def test_every_documented_launch_dry_runs_at_a_tiny_size(args, processes, monkeypatch, capsys):
+    """Each documented launch, dry-run at its number of processes (train.py --dry_run=True: its real step traced on
+    fake tensors, dryrun.py) with a tiny model: no error its launch would hit (a batch that does not divide, FSDP's
+    or Muon's over its ranks), and it fits. A launch that does not fit fails (test_train.py checks the verdict)."""
+    monkeypatch.chdir(ROOT)
+    train.main(dry_tiny(args, processes))  # exits 1 when it does not fit or would fail
+    out = capsys.readouterr().out
+    assert f"dry run: {processes} rank(s)" in out and ": fits (" in out and "error" not in out
+
+
+def test_the_documented_launches_include_the_multi_gpu_ones():
+    launches = {(tuple(p.values[0]), p.values[1]) for p in documented_launches()}
+    assert any(n == 8 and "--fsdp=True" in a and "configs/size_7b.py" in a for a, n in launches)
+    assert any(n == 8 and "configs/dyn_exo_1b.py" in a for a, n in launches)
+    assert max(n for _, n in launches) >= 16  # a multi-node launch
 
 
 def test_the_pages_runs_include_the_quick_start_and_the_middle_step():

@@ -551,3 +551,32 @@ def test_bench_memory_with_ranks_gives_each_gpus_share():
     assert one[0] == 4 * net.num_params() and one[0] == one[1]
     assert one[0] / 4 <= four[0] < one[0] / 4 * 1.1 and four[2] < one[2] / 3 and four[3] < one[3] / 3
     assert four[4] < one[4]  # Muon's owned share shrinks; the gathered units do not
+
+
+def _meta_init_worker(rank, world, port, names, result_path):
+    """Per variant, DDP's and FSDP's model as train.build_model makes it (on the meta device, then each rank's part
+    initialised): whether every weight, whole again, and the generator after it equal GPT(config)'s, bit for bit."""
+    worker, found = _join(rank, world, port), {}
+    for name in names:
+        torch.manual_seed(TrainConfig.seed)
+        expected, expected_rng = GPT(variant(name)).state_dict(), torch.get_rng_state()
+        for fsdp in (False, True):
+            model = train.build_model(TrainConfig(fsdp=fsdp), variant(name), worker)[0]
+            got = {k: sharding.full_value(v) for k, v in model.state_dict().items()}
+            found[name, fsdp] = (got.keys() == expected.keys() and all(torch.equal(got[k], expected[k]) for k in got),
+                                 torch.equal(torch.get_rng_state(), expected_rng),
+                                 all(sharding.is_sharded(p) == fsdp for p in model.parameters()))
+    torch.save(found, f"{result_path}.{rank}")
+    dist.destroy_process_group()
+
+
+def test_each_rank_initialises_only_its_part_to_the_weights_of_a_whole_model_bit_for_bit(tmp_path):
+    """train.build_model builds on the meta device and each rank initialises what it holds (DDP: a replica; FSDP: its
+    rows): the weights, gathered, and the generator's state after
+    them are those of GPT(config) in one process, bit for bit, so that runs, resumes and the DDP = FSDP checks stay
+    exact. Elementwise and headwise λ, biases, a frozen projection."""
+    names = ["dyn_exo", "exoformer_h", "dyn_exo_frozen"]
+    mp.spawn(_meta_init_worker, args=(2, free_port(), names, str(tmp_path / "r")), nprocs=2)
+    for rank in range(2):
+        found = torch.load(f"{tmp_path / 'r'}.{rank}", weights_only=True)
+        assert found == {(name, fsdp): (True, True, True) for name in names for fsdp in (False, True)}, rank

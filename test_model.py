@@ -176,6 +176,35 @@ def test_init():
     assert all(torch.all(p == 0.5) for p in lambdas(static, "1") + lambdas(static, "2"))
 
 
+@pytest.mark.parametrize("name,config", VARIANTS, ids=VARIANT_IDS)
+def test_a_model_built_on_the_meta_device_initialises_to_the_same_weights_bit_for_bit(name, config):
+    """GPT.init_weights gives a model built on the meta device (then to_empty) exactly GPT(config)'s parameters and
+    buffers from the same seed, and leaves the generator where GPT(config) leaves it: what train.py's runs, resumes
+    and DDP = FSDP checks rely on."""
+    torch.manual_seed(3)
+    expected, expected_rng = GPT(config), torch.get_rng_state()
+    torch.manual_seed(3)
+    with torch.device("meta"):
+        model = GPT(config)
+    model.to_empty(device="cpu")
+    model.init_weights()
+    assert torch.equal(torch.get_rng_state(), expected_rng)
+    got, want = dict(model.named_parameters()) | dict(model.named_buffers()), \
+        dict(expected.named_parameters()) | dict(expected.named_buffers())
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in got)
+    assert [p.requires_grad for p in model.parameters()] == [p.requires_grad for p in expected.parameters()]
+
+
+def test_init_weights_refuses_a_parameter_it_has_no_value_for():
+    """A fork's new parameter that init_weights does not know is a one-line error naming it, not garbage weights."""
+    with torch.device("meta"):
+        model = GPT(variant("gated"))
+        model.blocks[0].extra = torch.nn.Parameter(torch.empty(3))
+    model.to_empty(device="cpu")
+    with pytest.raises(ValueError, match=r"no initial value for the parameter blocks\.0\.extra"):
+        model.init_weights()
+
+
 # ---------------------------------------------------------------- an independent reference
 
 def reference_logits(model, idx):
@@ -821,7 +850,7 @@ def test_a_forked_variant_passes_the_generic_tests(tmp_path):
     """A fork that adds a granularity (one line in GRANULARITY_SHAPES) and a config file using it, with a
     training key in it too, runs the generic tests on it and passes them; README.md needs no change."""
     for name in ("model.py", "checkpoint.py", "hf.py", "configurator.py", "data.py", "optim.py", "parallel.py",
-                 "runlog.py", "train.py", "files.py", "sharding.py",
+                 "runlog.py", "train.py", "files.py", "sharding.py", "dryrun.py",
                  "conftest.py", "pytest.ini",
                  "test_model.py", "README.md"):
         shutil.copy(os.path.join(ROOT, name), tmp_path / name)

@@ -1014,3 +1014,38 @@ def test_the_quick_start_trains_and_samples_offline_on_a_fresh_machine(closed_ne
     r = subprocess.run(closed_network + [sys.executable] + shlex.split(sample)[1:] + ["--num_samples=1"], cwd=tmp_path,
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and f"---------- sample 1\n{shlex.split(sample)[4]}" in r.stdout, r.stderr[-3000:]
+
+
+# ----------------------------------------------------------------------------- the dry run (dryrun.py)
+
+def dry_run(args, capsys):
+    """train.main's dry run of args: (its exit message or None, what it printed)."""
+    try:
+        train.main(args + ["--dry_run=True"])
+        code = None
+    except SystemExit as e:
+        code = e.code
+    return code, capsys.readouterr().out
+
+
+def test_a_dry_run_that_does_not_fit_exits_1_and_says_so(capsys):
+    """The same launch on a GPU of 80 GB fits; on one of 1 MB it does not: exit status 1 (a message), and the verdict
+    line says so. Parameters, gradients, the optimisers' states and steps, activations and collectives are in the
+    table, by kind."""
+    fits, out = dry_run(SMALL + ["--dry_world_size=4", "--fsdp=True", "--total_batch_size=256"], capsys)
+    assert fits is None and "dry run: 4 rank(s), FSDP" in out and ": fits (" in out
+    assert all(kind in out for kind in ("parameters", "gradients", "optimiser", "activations", "collectives"))
+    code, out = dry_run(SMALL + ["--dry_world_size=4", "--fsdp=True", "--total_batch_size=256", "--gpu_memory=0.001"],
+                        capsys)
+    assert "dry run" in code and ": does NOT fit (" in out and "dry run: error" not in out
+
+
+def test_a_dry_run_prints_each_error_the_launch_would_hit_in_one_line(capsys):
+    """A batch that does not divide over 3 processes, and FSDP over a model with a 0-d λ (resformer: FSDP2 shards no
+    scalar), each one line, exit status 1; nothing traced past an error the build hits."""
+    code, out = dry_run(SMALL + ["--dry_world_size=3"], capsys)
+    assert code and [line for line in out.splitlines() if "error" in line] == [
+        "dry run: error: total_batch_size=128: expected a multiple of batch_size x block_size x processes = 192"]
+    code, out = dry_run(SMALL + ["configs/resformer.py", "--dry_world_size=2", "--fsdp=True"], capsys)
+    errors = [line for line in out.splitlines() if "error" in line]
+    assert code and len(errors) == 1 and "scalar parameters" in errors[0]

@@ -27,24 +27,26 @@ SIGTERM, SIGINT or SIGUSR1 stop a run after its current step, with a checkpoint,
 """
 import importlib.util
 import math
+import os
 import random
 import signal
 import sys
 import time
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 
 import numpy as np
 import torch
 import torch.nn as nn
 
 import checkpoint
+import dryrun
 import parallel
 import sharding
 from checkpoint import RNG, branch_path, checkpoint_path, is_branch, kept_path, load_resumable, save_weights
 from configurator import help_text, key_comments, read_args, wants_help
 from data import DataLoader, check_data, ensure_corpus, val_batches
 from model import GPT, GPTConfig
-from optim import Muon, Optimizers, clip_gradients, muon_params
+from optim import Muon, Optimizers, clip_gradients, clip_norm, muon_params
 from parallel import PREEMPTED, STOP_SIGNALS, RunFailed, StopSignals, Worker
 from runlog import Log
 
@@ -100,6 +102,11 @@ class TrainConfig:
                            # the authors trained
     fsdp: bool = False  # under torchrun: weights, gradients, optimiser states sharded over the processes (FSDP2),
                         # not DDP
+    # the dry run: the launch traced in one process on a CPU, nothing trained (dryrun.py)
+    dry_run: bool = False  # print rank 0's peak GPU memory by kind, whether it fits, and every error the launch
+                           # would hit; exit status 1 if it does not fit or would fail
+    dry_world_size: int = 0  # processes of the launch dry-run (0: torchrun's WORLD_SIZE, or 1)
+    gpu_memory: float = 80.0  # GB of memory of each GPU, for the dry run (80: an H100's, the documented commands' size)
     # system
     device: str = None  # None: cuda if available, else cpu
     dtype: str = None  # None: bfloat16 autocast on cuda (fp32 master weights), float32 on cpu
@@ -146,7 +153,7 @@ ALL_DEFAULTS = {**DEFAULTS, **{f.name: f.default for f in fields(GPTConfig)}}
 EXECUTION = {"data_dir", "verify_data", "out_dir", "init_from", "eval_only", "log_interval", "eval_interval",
              "eval_tokens", "ckpt_interval", "keep_every", "keep_full", "wandb_log", "wandb_project", "wandb_run_name",
              "batch_size", "max_steps", "activation_checkpointing", "fsdp", "device", "compile", "dist_timeout",
-             "gpu_peak_flops"}
+             "gpu_peak_flops", "dry_run", "dry_world_size", "gpu_memory"}
 # Execution keys that change no result nor logged value, bit for bit: a branch's own, and no variant's in sweep.py
 BRANCH_FREE = EXECUTION - {"data_dir", "eval_tokens", "batch_size", "activation_checkpointing", "fsdp", "device",
                            "compile"}
@@ -221,6 +228,13 @@ def main(argv):
         try:
             given = read_args(argv, ALL_DEFAULTS)
             cfg = TrainConfig(**{k: v for k, v in given.items() if k in DEFAULTS})
+        except (ValueError, OSError) as e:
+            sys.exit(f"train.py: error: {e}")
+        if cfg.dry_run:  # one process, whatever the launch, in a fake process group; no corpus is read
+            if not dry_run(given, cfg):
+                sys.exit("train.py: dry run: the launch would not fit, or would fail (above)")
+            return None
+        try:
             ensure_corpus(cfg.data_dir)  # the built-in corpus (a data_dir named stdlib), before any thread or GPU
             worker = parallel.join(cfg)
         except (ValueError, OSError) as e:
@@ -252,6 +266,70 @@ def main(argv):
     if stopped_by:
         sys.exit(PREEMPTED)
     return result
+
+
+def dry_run(given, cfg):
+    """--dry_run=True: the launch of these keys at dry_world_size processes (or torchrun's), traced in this process on
+    a CPU (dryrun.py): configured and built as the launch does, the model on the meta device, then as rank 0 of a
+    fake process group two whole optimiser steps over fake tensors, in bf16 autocast. Prints rank 0's peak GPU memory
+    by kind against gpu_memory, whether it fits, and each error the launch would hit, one line each. Returns whether
+    it fits with no error."""
+    world = cfg.dry_world_size or int(os.environ.get("WORLD_SIZE", 1))
+    if world < 1 or cfg.gpu_memory <= 0:
+        print(f"train.py: dry run: error: dry_world_size={cfg.dry_world_size}, gpu_memory={cfg.gpu_memory}: expected "
+              f"a number of processes (0: torchrun's) and a positive number of GB")
+        return False
+    errors, worker = [], dryrun.fake_worker(world)
+    try:
+        try:
+            cfg, model_config, _, _ = configure(given, cfg, worker)
+        except ValueError as e:  # the first wrong key: the launch stops there, but the model can still be traced
+            errors.append(str(e))
+            model_config = GPTConfig(**{k: v for k, v in {**ALL_DEFAULTS, **given}.items() if k in MODEL_KEYS})
+        T, V, b = model_config.block_size, model_config.vocab_size, cfg.batch_size
+        try:  # the data: where the launch runs, not necessarily here
+            DataLoader(cfg.data_dir, cfg.batch_size, T, 0, world, V)
+        except (ValueError, OSError) as e:
+            worker.say(f"dry run: note: {e} (the launch's machines need it; not checked further here)")
+        accum = max(1, cfg.total_batch_size // (b * T * world))
+        fake = dryrun.fake_tensors()
+        model, eval_model, train_model, optimizers = build_model(cfg, model_config, worker, storage=fake)
+        # causal attention: the memory of FlexAttention's document masks on a GPU (no T x T scores), dryrun.py
+        run = Run(replace(cfg, doc_mask=False), worker, accum, model, eval_model, train_model, optimizers, None, {})
+        with fake:  # the clip and the optimisers once, untracked: DTensor runs each new op's sharding propagation on
+            for p in model.parameters():  # whole-size fake tensors once, which a tracker would count as held
+                p.grad = torch.zeros_like(p) if p.requires_grad else None
+            clip_norm(run.model, cfg.grad_clip)
+            update(run)
+        tracker = dryrun.tracker(model, optimizers, cfg.fsdp)
+        with fake, tracker:
+            def batches():  # fake tokens; the tracker takes each micro-step's forward as a new one
+                for i in range(accum):
+                    tracker.reset_mod_stats()
+                    yield torch.randint(V, (b, T)), torch.randint(V, (b, T)), i == accum - 1
+
+            stepped, top = False, 0  # whether the peak grew last in an optimiser step; the peak so far
+            for _ in range(2):  # every micro-step of a step, twice
+                accumulate(run, batches())
+                clip_norm(run.model, cfg.grad_clip)
+                before = dryrun.by_kind(tracker.get_tracker_snapshot("peak"))[1]
+                update(run)
+                now = dryrun.by_kind(tracker.get_tracker_snapshot("peak"))[1]
+                stepped, top = now > before or (stepped and before == top), now
+        peaks = dryrun.by_kind(tracker.get_tracker_snapshot("peak"))
+        where = "an optimiser step" if stepped else "forward and backward"
+        owned = dryrun.muon_owners(optimizers, world) if cfg.fsdp else None
+        lines, fits = dryrun.report(peaks, world, cfg.gpu_memory, where, cfg.fsdp, owned)
+        for line in lines:
+            worker.say(line)
+    except Exception as e:  # what the launch would hit in its first step, said in one line
+        errors.append(f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}")
+        fits = False
+    finally:
+        dryrun.end(worker)
+    for e in errors:
+        worker.say(f"dry run: error: {e}")
+    return fits and not errors
 
 
 def configure(given, cfg, worker):
@@ -319,22 +397,40 @@ def build(cfg, model_config, worker):
     # of processes and accumulation (and at shard ends, too)
     loader = None if cfg.eval_only else DataLoader(cfg.data_dir, accum * cfg.batch_size, T, rank, world, V)
     next(val_batches(cfg.data_dir, cfg.batch_size, T, cfg.eval_tokens, rank, world, V), None)
+    model, eval_model, train_model, optimizers = build_model(cfg, model_config, worker)
+    parts = {"model": model, "optimizers": optimizers, "loader": loader, "rng": RNG()}
+    return Run(cfg, worker, accum, model, eval_model, train_model, optimizers, loader, parts)
+
+
+def build_model(cfg, model_config, worker, storage=None):
+    """The model (seeded), in its three roles, and its optimisers: (model, eval_model, train_model, optimizers). It is
+    built on the meta device and sharded there (FSDP), then each process gives storage on its device to what it holds
+    (its shards, or its replica) and initialises it, one whole parameter at a time, to the values GPT(config) gives
+    (GPT.init_weights): no process holds the whole model in host memory. storage: the context the tensors are made
+    in instead (the dry run's FakeTensorMode), with no values."""
     for seed in (torch.manual_seed, random.seed, np.random.seed):
         seed(cfg.seed)
-    model = GPT(model_config)
+    with torch.device("meta"):
+        model = GPT(model_config)
     model.activation_checkpointing = cfg.activation_checkpointing
-    if cfg.fsdp:  # DDP or FSDP: sharded in place, each unit moved to the device as it is sharded, compiled per block
-        eval_model = train_model = model = sharding.fully_shard_model(model, worker)
+    if cfg.fsdp:  # DDP or FSDP: sharded in place, compiled per block
+        model = sharding.fully_shard_model(model, worker)
+    if storage is None:
+        model.to_empty(device=worker.device)
+        model.init_weights(sharding.write_part)
+    else:  # fake tensors hold no values
+        with storage:
+            model.to_empty(device=worker.device)
+    if cfg.fsdp:
+        eval_model = train_model = model
     else:
-        model = model.to(worker.device)
         eval_model = torch.compile(model) if worker.compile else model
         train_model = parallel.data_parallel(eval_model, worker)
     optimizers = build_optimizers(model, cfg)
     optimizers.check_params(model)  # before any step: each trained parameter in exactly one optimiser
     if cfg.fsdp:  # before any step: each optimiser's state must fit the sharded checkpoint
         sharding.check_optimizers(model, optimizers)
-    parts = {"model": model, "optimizers": optimizers, "loader": loader, "rng": RNG()}
-    return Run(cfg, worker, accum, model, eval_model, train_model, optimizers, loader, parts)
+    return model, eval_model, train_model, optimizers
 
 
 def restore(run, ckpt, path):
@@ -355,19 +451,11 @@ def train(run, log, stop):
         # one optimiser step: forward and backward over the micro-batches, the gradients summed, then clip and step
         t0, epoch = time.perf_counter(), run.loader.epoch
         measured = run.optimizers.set_schedule(schedule(run.step, cfg))  # the learning rates: <name>_lr
-        loss_sum = torch.zeros((), device=worker.device)
-        for x, y, last in micro_batches(run):
-            with parallel.gradient_sync(run.train_model, last):  # DDP all-reduces on the last micro-step only
-                with worker.runtime.autocast():
-                    _, loss = run.train_model(x, y, z_loss=cfg.z_loss, doc_mask=cfg.doc_mask)
-                (loss / run.accum).backward()
-            loss_sum += loss.detach()
+        loss_sum = accumulate(run, micro_batches(run))
         measured["train_loss"] = run.train_loss = worker.sum(loss_sum).item() / (run.accum * worker.world_size)
         measured["grad_norm"] = clip_gradients(run.model, cfg.grad_clip)  # the global norm, before clipping it
         stop_unless_finite(run, measured)  # before the step: no checkpoint may hold what it would do
-        for opt in run.optimizers.values():  # Muon's update: optim.Muon.update
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+        update(run)
         run.step += 1
         log.times.append(time.perf_counter() - t0)
         # what is due after the step: an evaluation, a log line, checkpoints, a stop
@@ -388,6 +476,27 @@ def train(run, log, stop):
         if stopping:
             return stop.stopped(worker, run.step, run.ckpt_path)  # each rank says so: what stopped it
     return None
+
+
+def accumulate(run, batches):
+    """Every micro-step's forward and backward of one optimiser step, over batches ((x, y, last) each): the gradients
+    summed in the parameters' .grad. Returns the summed loss, on the device (no sync)."""
+    cfg, worker = run.cfg, run.worker
+    loss_sum = torch.zeros((), device=worker.device)
+    for x, y, last in batches:
+        with parallel.gradient_sync(run.train_model, last):  # DDP all-reduces on the last micro-step only
+            with worker.runtime.autocast():
+                _, loss = run.train_model(x, y, z_loss=cfg.z_loss, doc_mask=cfg.doc_mask)
+            (loss / run.accum).backward()
+        loss_sum += loss.detach()
+    return loss_sum
+
+
+def update(run):
+    """Every optimiser's step (Muon's update: optim.Muon.update), then the gradients dropped."""
+    for opt in run.optimizers.values():
+        opt.step()
+        opt.zero_grad(set_to_none=True)
 
 
 def log_entry(run, measured, evaluating):
