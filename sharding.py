@@ -74,7 +74,7 @@ def fully_shard_model(model, worker):
 def write_part(param, whole):
     """Store in param the part of whole (the parameter's whole value) that this process holds: under FSDP its shard,
     the rows chunk_rows gives this rank; else all of it (GPT.init_weights's write)."""
-    if not isinstance(param, DTensor):
+    if not is_sharded(param):
         return param.copy_(whole)
     mine = param.to_local()
     if mine.shape == whole.shape:  # all the rows
