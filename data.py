@@ -19,6 +19,7 @@ import json
 import multiprocessing
 import os
 import shutil
+import signal
 import sysconfig
 import tempfile
 import time
@@ -293,6 +294,13 @@ def _start_worker(tokenizer):
     _encoding = load_encoding(tokenizer)
 
 
+def _start_pool_worker(tokenizer):
+    # Pool.terminate ends its workers with SIGTERM: a handler inherited from the parent (train.py's stop signals,
+    # while it builds the corpus) would leave the worker waiting on the pool's queue, and terminate waiting on it
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    _start_worker(tokenizer)
+
+
 def _encode(texts):
     """Tokens of a batch of documents, each <|endoftext|> then the document (special-token text
     inside a document is plain text). One array per batch: pickling per document costs more."""
@@ -325,7 +333,7 @@ def encoder(tokenizer=None, workers=1):
     pool = None
     try:
         if workers > 1:
-            pool = multiprocessing.Pool(workers, initializer=_start_worker, initargs=(tokenizer,))
+            pool = multiprocessing.Pool(workers, initializer=_start_pool_worker, initargs=(tokenizer,))
         else:
             _start_worker(tokenizer)
         # imap returns the batches in input order, whichever worker finishes first

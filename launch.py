@@ -58,11 +58,11 @@ def pass_on(signum, frame):
 
 def main(argv):
     """torchrun with argv, but for the stop signals, the restarts after a stop and the status after one."""
+    handled = [f"--signals_to_handle={','.join(s.name for s in (signal.SIGHUP, signal.SIGQUIT))}"]  # the rest: ours
+    args = torchrun.parse_args(handled + argv)  # a --signals_to_handle in argv comes later, and wins; --help exits
     api.LocalElasticAgent = Agent
     for s in STOP_SIGNALS:
         signal.signal(s, pass_on)
-    handled = [f"--signals_to_handle={','.join(s.name for s in (signal.SIGHUP, signal.SIGQUIT))}"]  # the rest: ours
-    args = torchrun.parse_args(handled + argv)  # a --signals_to_handle in argv comes later, and wins
     try:
         record(torchrun.run)(args)  # torchrun's main, its arguments read outside record (which swallows --help's exit)
     except ChildFailedError as e:

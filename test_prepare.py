@@ -2,6 +2,7 @@
 
 Never the internet: the server below runs on 127.0.0.1 in a thread and serves shards this file writes.
 """
+import contextlib
 import gzip
 import hashlib
 import json
@@ -19,6 +20,7 @@ import pytest
 
 import data
 import httpclient
+import parallel
 import prepare
 from conftest import in_process
 
@@ -438,9 +440,11 @@ def _bad_input(tmp_path, kind):
 ])
 @pytest.mark.parametrize("workers", [1, 2])
 def test_tokenize_bad_input(inputs, tmp_path, enc_file, kind, exc, match, workers):
+    """Refused in one line, nothing left; with workers, under train.py's stop-signal handlers (as it builds the
+    corpus), which the pool's workers must not inherit: Pool.terminate ends them with SIGTERM."""
     bad = _bad_input(tmp_path, kind)
     out = tmp_path / "out"
-    with pytest.raises(exc, match=match) as e:
+    with pytest.raises(exc, match=match) as e, parallel.StopSignals() if workers > 1 else contextlib.nullcontext():
         prepare.tokenize(inputs + [bad], out, shard_tokens=50, val_tokens=10, workers=workers,
                          tokenizer=enc_file)
     assert "\n" not in str(e.value)
