@@ -296,8 +296,10 @@ def _start_worker(tokenizer):
 
 def _start_pool_worker(tokenizer):
     # Pool.terminate ends its workers with SIGTERM: a handler inherited from the parent (train.py's stop signals,
-    # while it builds the corpus) would leave the worker waiting on the pool's queue, and terminate waiting on it
+    # while it builds the corpus) would leave the worker waiting on the pool's queue, and terminate waiting on it. The
+    # worker is born with SIGTERM blocked (encoder), so one sent before this line waits for it, and then ends it
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
     _start_worker(tokenizer)
 
 
@@ -333,7 +335,11 @@ def encoder(tokenizer=None, workers=1):
     pool = None
     try:
         if workers > 1:
-            pool = multiprocessing.Pool(workers, initializer=_start_pool_worker, initargs=(tokenizer,))
+            mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # the workers' until _start_pool_worker
+            try:
+                pool = multiprocessing.Pool(workers, initializer=_start_pool_worker, initargs=(tokenizer,))
+            finally:
+                signal.pthread_sigmask(signal.SIG_SETMASK, mask)
         else:
             _start_worker(tokenizer)
         # imap returns the batches in input order, whichever worker finishes first
