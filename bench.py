@@ -127,6 +127,9 @@ def main(argv):
                 row = {**flat, key: on} if key else flat
                 runs.append(Row(name + f"+{key}" * bool(on), *split_config(row),
                                 {k: row[k] for k in BENCH_DEFAULTS}))  # checks every model before any work
+        folder = runs[0].bench["checkpoint"]
+        if folder and not os.path.isdir(folder):
+            raise FileNotFoundError(f"--checkpoint={folder}: no such folder")
         env = parallel.join(next((r.cfg for r in runs if r.cfg.fsdp), runs[0].cfg))  # FSDP needs torchrun
     except (ValueError, FileNotFoundError) as e:
         sys.exit(f"bench.py: error: {e}")
@@ -420,8 +423,6 @@ def checkpoint_table(runs, folder):
     """--checkpoint=DIR: per model and kind, the median seconds to write its resume checkpoint into DIR in each way
     (WRITES), interleaved over rounds x steps writes each, and the ratios: what the checksums cost a write, and what
     the manifest adds to what torch.save already did."""
-    if not os.path.isdir(folder):
-        sys.exit(f"bench.py: error: --checkpoint={folder}: no such folder")
     print(f"writing resume checkpoints into {folder}: median seconds of {runs[0].bench['rounds']} x "
           f"{runs[0].bench['steps']} writes each (torch {torch.__version__}, {torch.get_num_threads()} threads)")
     print(f"{'model':<24} {'kind':<9} {'GB':>6} {'none s':>8} {'before s':>9} {'now s':>8} {'now/none':>9} "

@@ -576,7 +576,7 @@ def test_each_rank_initialises_only_its_part_to_the_weights_of_a_whole_model_bit
     them are those of GPT(config) in one process, bit for bit, so that runs, resumes and the DDP = FSDP checks stay
     exact. Elementwise and headwise λ, biases, a frozen projection."""
     names = ["dyn_exo", "exoformer_h", "dyn_exo_frozen"]
-    mp.spawn(_meta_init_worker, args=(2, free_port(), names, str(tmp_path / "r")), nprocs=2)
+    spawn(_meta_init_worker, (2, free_port(), names, str(tmp_path / "r")), 2)
     for rank in range(2):
         found = torch.load(f"{tmp_path / 'r'}.{rank}", weights_only=True)
         assert found == {(name, fsdp): (True, True, True) for name in names for fsdp in (False, True)}, rank
