@@ -47,6 +47,8 @@ def fake_worker(world_size, rank=0):
     distributed: DDP's wrapper (which needs real tensors) is left out, and a step's loss is not all-reduced."""
     if dist.is_initialized():
         raise RuntimeError("dry run: a process group is already initialised in this process")
+    import torch.testing._internal.distributed.fake_pg  # noqa: F401  registers the "fake" backend (torch 2.13 has no
+    # public import for it; FSDP's modules import this one, which a run that never shards has not imported)
     dist.init_process_group("fake", store=dist.HashStore(), rank=rank, world_size=world_size)
     return Worker(rank, world_size, Runtime("cpu", torch.bfloat16), compile=False)
 
