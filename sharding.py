@@ -519,12 +519,13 @@ def resume_path(whole, directory, sharded):
             os.rename(directory + ".old", directory)
     found = [p for p in (whole, directory) if os.path.exists(p)]
     if len(found) == 2:  # stopped between a save and the removal of the other kind's older one
-        try:
-            whole_step = torch.load(whole, map_location="cpu", weights_only=True, mmap=True)["step"]
-        except Exception as e:  # a corrupt file, or one that is not a checkpoint
-            raise ValueError(f"{whole}: no step readable with torch.load(weights_only=True) ({type(e).__name__})") \
-                from None
-        return found[read_state(directory)["step"] >= whole_step]
+        def step(read, path):  # -1 for one that does not read (damaged): the other is chosen, and verified as read
+            try:
+                return read(path)["step"]
+            except Exception:  # torch.load of a damaged zip raises any of several types
+                return -1
+        whole_step = step(lambda p: torch.load(p, map_location="cpu", weights_only=True, mmap=True), whole)
+        return found[step(read_state, directory) >= whole_step]
     return found[0] if found else (directory if sharded else whole)
 
 

@@ -146,6 +146,25 @@ def test_a_damaged_file_of_a_sharded_checkpoint_is_refused_in_one_line(stopped, 
     assert str(e.value).endswith(f"; no other checkpoint in {out} verifies")
 
 
+def test_of_a_ckpt_pt_and_a_ckpt_dcp_the_later_is_resumed_and_a_damaged_one_is_passed_over_for_the_other(
+        stopped, run_dir, tmp_path):  # noqa: F811
+    """A run stopped between a save and the removal of the other kind's older checkpoint (DDP and FSDP in turn) holds
+    both: the later one is resumed from, and one damaged is passed over for the other, never read as good."""
+    out = tmp_path / "run"
+    shutil.copytree(stopped, out)  # ckpt.dcp of step 5
+    shutil.copy(run_dir / "ckpt.pt", out)  # of step 4
+    whole, directory = str(out / "ckpt.pt"), str(out / "ckpt.dcp")
+    assert sharding.resume_path(whole, directory, sharded=False) == directory
+    state = (out / "ckpt.dcp" / "state.json").read_bytes()
+    damage(out / "ckpt.dcp" / "state.json", "flip")
+    assert sharding.resume_path(whole, directory, sharded=True) == whole
+    assert load_resumable(str(out), "auto", sharded=True)[0]["step"] == 4
+    (out / "ckpt.dcp" / "state.json").write_bytes(state)
+    damage(out / "ckpt.pt", "truncate")  # no step readable
+    assert sharding.resume_path(whole, directory, sharded=False) == directory
+    assert load_resumable(str(out), "auto")[0]["step"] == 5
+
+
 def test_a_sharded_checkpoint_lists_every_file_it_wrote_and_one_written_before_manifests_reads_with_a_note(
         stopped, capsys, tmp_path):  # noqa: F811
     sharding.verify(f"{stopped}/ckpt.dcp")  # as written, it verifies
