@@ -44,20 +44,22 @@ STEPS = 20
 # as Muon's bf16 orthogonalisation carries the difference on: over these 20 steps, measured, 3e-4 relative in a
 # loss and 8e-3 in a weight at most
 LOSS_RTOL, WEIGHT_ATOL = 1e-3, 2e-2
-# a stand-in for a kill right after the checkpoint of step N (argv[1]); with argv[2] == "resave", the run writes
-# the checkpoint it resumed from straight back, as this number of processes read it, and ends there
+# a stand-in for a kill right after the checkpoint of step N (argv[1]; 0: none); with argv[2] == "read", the run
+# also writes the checkpoint it resumed from, as this number of processes read it, into <out_dir>/read/, and goes on
 STOP = """import os, sys
 sys.path.insert(0, {root!r})
 import train
-stop_at, resave, save, restore = int(sys.argv[1]), sys.argv[2] == "resave", train.save, train.restore
+stop_at, read, save, restore = int(sys.argv[1]), sys.argv[2] == "read", train.save, train.restore
 def save_then_stop(run, *args, **kwargs):
     save(run, *args, **kwargs)
     if run.step == stop_at:
         os._exit(0)
 def restore_then_save(run, *args):
     restore(run, *args)
-    if resave:
-        save_then_stop(run, run.ckpt_path, run.pending_log)
+    if read:
+        folder = os.path.join(run.cfg.out_dir, "read")
+        os.makedirs(folder, exist_ok=True)
+        save(run, os.path.join(folder, os.path.basename(run.ckpt_path)), run.pending_log)
 train.save, train.restore = save_then_stop, restore_then_save
 train.main(sys.argv[3:])
 """
@@ -165,43 +167,32 @@ def stopped(data_dir, stop_script, tmp_path_factory):
     return made_once(tmp_path_factory, "fsdp_stopped", make)
 
 
-def test_a_checkpoint_of_2_ranks_reads_exactly_at_4_and_at_1_and_continues_bit_for_bit(
+def test_a_checkpoint_of_2_ranks_reads_exactly_at_4_and_at_1_and_continues_as_the_unbroken_run(
         data_dir, stop_script, stopped, fsdp_run, tmp_path):
     """DCP reshards exactly: what 4 ranks under FSDP and 1 process without it read of the 2-rank checkpoint, written
-    back (as ckpt.dcp at 4 ranks, as ckpt.pt in 1 process), is the same state; FSDP at 2 ranks continues the
+    back (as ckpt.dcp at 4 ranks, as ckpt.pt in 1 process), is the same state; the same command goes on there as the
+    unbroken run, the same batches and schedule, its losses to float rounding; and FSDP at 2 ranks continues the
     1-process ckpt.pt bit for bit as the unbroken run."""
-    before = final(stopped)
-    four, one = str(tmp_path / "four"), str(tmp_path / "one")
+    before, unbroken = final(stopped), losses(fsdp_run)
+    four, one, two = (str(tmp_path / name) for name in ("four", "one", "two"))
     for out in (four, one):
         shutil.copytree(stopped, out)
-    ok(run(torchrun(4) + [stop_script, "5", "resave", *args(data_dir, four, "--fsdp=True", *batch(4))]))
-    ok(run([sys.executable, stop_script, "5", "resave", *args(data_dir, one)]))
-    assert sorted(os.listdir(one)) == ["ckpt.pt", "log.jsonl"]  # the older ckpt.dcp went
-    for out in (four, one):
-        assert_same_state(before, final(out))
-    ok(run(torchrun(2) + ["train.py", *args(data_dir, one, "--fsdp=True")]))
-    assert losses(one) == losses(fsdp_run)
-    assert_same_state(final(fsdp_run), final(one))
-
-
-
-
-def test_a_checkpoint_of_2_ranks_continues_at_4_and_at_1_as_the_unbroken_run(data_dir, stopped, fsdp_run, tmp_path):
-    """The same command with 4 ranks under FSDP, or 1 process without it, finishes the run stopped at 2 ranks:
-    the same batches and schedule, the losses of the unbroken run to float rounding."""
-    four, one = str(tmp_path / "four"), str(tmp_path / "one")
-    for out in (four, one):
-        shutil.copytree(stopped, out)
-    started = [start(torchrun(4) + ["train.py", *args(data_dir, four, "--fsdp=True", *batch(4))]),
-               start([sys.executable, "train.py", *args(data_dir, one)])]
+    started = [start(torchrun(4) + [stop_script, "0", "read", *args(data_dir, four, "--fsdp=True", *batch(4))]),
+               start([sys.executable, stop_script, "0", "read", *args(data_dir, one)])]
     assert "4 process(es) x 1 micro-step(s)" in ok(finish(started[0]))
     assert "1 process(es) x 2 micro-step(s)" in ok(finish(started[1]))
-    unbroken = losses(fsdp_run)
+    assert sorted(os.listdir(one)) == ["ckpt.pt", "log.jsonl", "read"]  # the older ckpt.dcp went
     for out in (four, one):
+        assert_same_state(before, final(f"{out}/read"))
         resumed = losses(out)
         assert resumed[:6] == unbroken[:6] and [e[0] for e in resumed] == [e[0] for e in unbroken]
         for (_, *a), (_, *b) in zip(resumed[6:], unbroken[6:]):
             assert alike(a[:2], b[:2], LOSS_RTOL), (out, a, b)
+    shutil.copytree(stopped, two, ignore=shutil.ignore_patterns("ckpt.dcp"))  # its log, and what 1 process read:
+    shutil.copy(f"{one}/read/ckpt.pt", two)
+    ok(run(torchrun(2) + ["train.py", *args(data_dir, two, "--fsdp=True")]))
+    assert losses(two) == unbroken
+    assert_same_state(final(fsdp_run), final(two))
 
 
 def test_a_killed_worker_under_max_restarts_resumes_from_the_last_sharded_checkpoint(data_dir, fsdp_run, tmp_path):
