@@ -512,8 +512,8 @@ def write_manifest(path, files):
 
 def resume_path(whole, directory, sharded):
     """A run's resume checkpoint: its ckpt.pt (whole) or its ckpt.dcp (directory), whichever holds the later step (a
-    run may switch between DDP and FSDP), after finishing save's swap if a stop came between its two renames; when
-    there is neither, the one a run of this kind (sharded or not) writes."""
+    run may switch between DDP and FSDP; one that does not read is passed over), after finishing save's swap if a stop
+    came between its two renames; when there is neither, the one a run of this kind (sharded or not) writes."""
     if not os.path.exists(directory) and os.path.isdir(directory + ".old"):
         with contextlib.suppress(FileNotFoundError):  # every rank may try; the first one's rename is the swap
             os.rename(directory + ".old", directory)
