@@ -168,6 +168,17 @@ def _attempt(url, part, have, bar, counted, stop, announced):
     return total
 
 
+def _finish(part, dest, announced):
+    """part, complete and checked, renamed to dest if its sha256 is the one announced (or none was): dest's manifest
+    entry. Read once more, at disk speed: the download is what takes time."""
+    entry = file_entry(part)
+    if announced not in (None, entry["sha256"]):
+        raise _Retry(f"downloaded file is damaged: its sha256 {entry['sha256'][:16]}... differs from the "
+                     f"{announced[:16]}... the server announced", restart=True)
+    os.replace(part, dest)
+    return {**entry, "announced": announced is not None}
+
+
 def download_file(url, dest, bar=None, stop=None, *, check, offline=None):
     """Download url to dest through dest + '.part', resuming with HTTP Range requests and retrying
     with exponential backoff. dest appears only once the size the server announced, its sha256 (if it
@@ -183,18 +194,15 @@ def download_file(url, dest, bar=None, stop=None, *, check, offline=None):
     bar.update(size())  # bytes left by an interrupted run count as done
     try:  # an interrupted run may have stopped just before the rename: the next request says the sha256
         check(part)
-    except (ValueError, FileNotFoundError):
-        pass
-    else:
         try:
             with requests.head(url, allow_redirects=True, timeout=TIMEOUT) as r:
                 announced[0] = announced_sha256(r) if r.ok else None
         except requests.RequestException:  # offline: the size and check(part) alone, as for a copied file
             pass
-        entry = file_entry(part)
-        if announced[0] in (None, entry["sha256"]):
-            os.replace(part, dest)
-            return {**entry, "announced": announced[0] is not None}
+        return _finish(part, dest, announced[0])
+    except (ValueError, FileNotFoundError):
+        pass
+    except _Retry:  # damaged: downloaded again
         bar.update(-size())
         os.remove(part)
     failures = 0
@@ -210,12 +218,7 @@ def download_file(url, dest, bar=None, stop=None, *, check, offline=None):
                 check(part)
             except ValueError as e:
                 raise _Retry(f"downloaded file is {e}", restart=True) from None
-            entry = file_entry(part)  # read once more, at disk speed: the download is what takes time
-            if announced[0] not in (None, entry["sha256"]):
-                raise _Retry(f"downloaded file is damaged: its sha256 {entry['sha256'][:16]}... differs from the "
-                             f"{announced[0][:16]}... the server announced", restart=True)
-            os.replace(part, dest)
-            return {**entry, "announced": announced[0] is not None}
+            return _finish(part, dest, announced[0])
         except (_Retry, requests.RequestException) as e:  # timeouts, dropped connections, 5xx
             error = _retryable(e, url, offline or f"copy {dest} from a machine with internet")
         restart = getattr(error, "restart", False)

@@ -167,6 +167,11 @@ def split_config(flat):
                           if k in DEFAULTS}), GPTConfig(**{k: v for k, v in flat.items() if k in MODEL_KEYS})
 
 
+def given_model_config(given):
+    """The GPTConfig of the given keys ({key: value}), each one left out at its default."""
+    return GPTConfig(**{k: v for k, v in {**ALL_DEFAULTS, **given}.items() if k in MODEL_KEYS})
+
+
 def help_sections():
     """(title, defaults, meanings) of train.py's keys and of the model keys, for configurator.help_text."""
     return [("training keys", DEFAULTS, key_comments(__file__, "TrainConfig")),
@@ -268,76 +273,12 @@ def main(argv):
     return result
 
 
-def dry_run(given, cfg):
-    """--dry_run=True: the launch of these keys at dry_world_size processes (or torchrun's), traced in this process on
-    a CPU (dryrun.py): configured and built as the launch does, the model on the meta device, then as rank 0 of a
-    fake process group two whole optimiser steps over fake tensors, in bf16 autocast. Prints rank 0's peak GPU memory
-    by kind against gpu_memory, whether it fits, and each error the launch would hit, one line each. Returns whether
-    it fits with no error."""
-    world = cfg.dry_world_size or int(os.environ.get("WORLD_SIZE", 1))
-    if world < 1 or cfg.gpu_memory <= 0:
-        print(f"train.py: dry run: error: dry_world_size={cfg.dry_world_size}, gpu_memory={cfg.gpu_memory}: expected "
-              f"a number of processes (0: torchrun's) and a positive number of GB")
-        return False
-    errors, worker = [], dryrun.fake_worker(world)
-    try:
-        try:
-            cfg, model_config, _, _ = configure(given, cfg, worker)
-        except ValueError as e:  # the first wrong key: the launch stops there, but the model can still be traced
-            errors.append(str(e))
-            model_config = GPTConfig(**{k: v for k, v in {**ALL_DEFAULTS, **given}.items() if k in MODEL_KEYS})
-        T, V, b = model_config.block_size, model_config.vocab_size, cfg.batch_size
-        try:  # the data: where the launch runs, not necessarily here
-            DataLoader(cfg.data_dir, cfg.batch_size, T, 0, world, V)
-        except (ValueError, OSError) as e:
-            worker.say(f"dry run: note: {e} (the launch's machines need it; not checked further here)")
-        accum = max(1, cfg.total_batch_size // (b * T * world))
-        fake = dryrun.fake_tensors()
-        model, eval_model, train_model, optimizers = build_model(cfg, model_config, worker, storage=fake)
-        # causal attention: the memory of FlexAttention's document masks on a GPU (no T x T scores), dryrun.py
-        run = Run(replace(cfg, doc_mask=False), worker, accum, model, eval_model, train_model, optimizers, None, {})
-        with fake:  # the clip and the optimisers once, untracked: DTensor runs each new op's sharding propagation on
-            for p in model.parameters():  # whole-size fake tensors once, which a tracker would count as held
-                p.grad = torch.zeros_like(p) if p.requires_grad else None
-            clip_norm(run.model, cfg.grad_clip)
-            update(run)
-        tracker = dryrun.tracker(model, optimizers, cfg.fsdp)
-        with fake, tracker:
-            def batches():  # fake tokens; the tracker takes each micro-step's forward as a new one
-                for i in range(accum):
-                    tracker.reset_mod_stats()
-                    yield torch.randint(V, (b, T)), torch.randint(V, (b, T)), i == accum - 1
-
-            stepped, top = False, 0  # whether the peak grew last in an optimiser step; the peak so far
-            for _ in range(2):  # every micro-step of a step, twice
-                accumulate(run, batches())
-                clip_norm(run.model, cfg.grad_clip)
-                before = dryrun.by_kind(tracker.get_tracker_snapshot("peak"))[1]
-                update(run)
-                now = dryrun.by_kind(tracker.get_tracker_snapshot("peak"))[1]
-                stepped, top = now > before or (stepped and before == top), now
-        peaks = dryrun.by_kind(tracker.get_tracker_snapshot("peak"))
-        where = "an optimiser step" if stepped else "forward and backward"
-        owned = dryrun.muon_owners(optimizers, world) if cfg.fsdp else None
-        lines, fits = dryrun.report(peaks, world, cfg.gpu_memory, where, cfg.fsdp, owned)
-        for line in lines:
-            worker.say(line)
-    except Exception as e:  # what the launch would hit in its first step, said in one line
-        errors.append(f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}")
-        fits = False
-    finally:
-        dryrun.end(worker)
-    for e in errors:
-        worker.say(f"dry run: error: {e}")
-    return fits and not errors
-
-
 def configure(given, cfg, worker):
     """Everything about the input that can be wrong, checked before any work: the checkpoint to start from, the keys
     and their values. Returns (cfg, model_config, the checkpoint, its path)."""
     ckpt, path = load_resumable(cfg.out_dir, cfg.init_from, cfg.eval_only, cfg.fsdp)  # either kind: DDP <-> FSDP
     if ckpt is None:
-        model_config = GPTConfig(**{k: v for k, v in {**ALL_DEFAULTS, **given}.items() if k in MODEL_KEYS})
+        model_config = given_model_config(given)
     else:  # each key left out is the checkpoint's, but PER_START's (and a branch's BRANCH_FREE keys: its own)
         model_config = GPTConfig.from_dict(ckpt["model_config"], f"{path}: model_config")
         branch = is_branch(path, cfg.out_dir) and cfg.init_from != "auto"  # auto: out_dir's own, maybe a kept one
@@ -557,6 +498,79 @@ def save(run, path, pending_log=None):
     except OSError as e:
         raise RunFailed(f"step {run.step}: {e}; the previous checkpoint, if any, is intact, and --init_from=auto "
                         f"resumes from it") from None
+
+
+# ----------------------------------------------------------------------------- the dry run (dryrun.py)
+
+def dry_run(given, cfg):
+    """--dry_run=True: the launch of these keys at dry_world_size processes (or torchrun's), traced in this process on
+    a CPU (dryrun.py): configured and built as the launch does, the model on the meta device, then as rank 0 of a
+    fake process group two whole optimiser steps over fake tensors, in bf16 autocast. Prints rank 0's peak GPU memory
+    by kind against gpu_memory, whether it fits, and each error the launch would hit, one line each. Returns whether
+    it fits with no error."""
+    world = cfg.dry_world_size or int(os.environ.get("WORLD_SIZE", 1))
+    if world < 1 or cfg.gpu_memory <= 0:
+        print(f"train.py: dry run: error: dry_world_size={cfg.dry_world_size}, gpu_memory={cfg.gpu_memory}: expected "
+              f"a number of processes (0: torchrun's) and a positive number of GB")
+        return False
+    errors, worker = [], dryrun.fake_worker(world)
+    try:
+        try:
+            cfg, model_config, _, _ = configure(given, cfg, worker)
+        except ValueError as e:  # the first wrong key: the launch stops there, but the model can still be traced
+            errors.append(str(e))
+            model_config = given_model_config(given)
+        T, V = model_config.block_size, model_config.vocab_size
+        try:  # the data: where the launch runs, not necessarily here
+            DataLoader(cfg.data_dir, cfg.batch_size, T, 0, world, V)
+        except (ValueError, OSError) as e:
+            worker.say(f"dry run: note: {e} (the launch's machines need it; not checked further here)")
+        accum = max(1, cfg.total_batch_size // (cfg.batch_size * T * world))
+        fake = dryrun.fake_tensors()
+        model, eval_model, train_model, optimizers = build_model(cfg, model_config, worker, storage=fake)
+        # causal attention: the memory of FlexAttention's document masks on a GPU (no T x T scores), dryrun.py
+        run = Run(replace(cfg, doc_mask=False), worker, accum, model, eval_model, train_model, optimizers, None, {})
+        peaks, stepped = traced_steps(run, fake, T, V)
+        where = "an optimiser step" if stepped else "forward and backward"
+        owned = dryrun.muon_owners(optimizers, world) if cfg.fsdp else None
+        lines, fits = dryrun.report(peaks, world, cfg.gpu_memory, where, cfg.fsdp, owned)
+        for line in lines:
+            worker.say(line)
+    except Exception as e:  # what the launch would hit in its first step, said in one line
+        errors.append(f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}")
+        fits = False
+    finally:
+        dryrun.end(worker)
+    for e in errors:
+        worker.say(f"dry run: error: {e}")
+    return fits and not errors
+
+
+def traced_steps(run, fake, T, V):
+    """Two whole optimiser steps of run over fake tokens, in fake (the fake tensors' mode), their memory tracked:
+    (the peak by kind, dryrun.by_kind's; whether the peak grew last in an optimiser step)."""
+    cfg, model, b = run.cfg, run.model, run.cfg.batch_size
+    with fake:  # the clip and the optimisers once, untracked: DTensor runs each new op's sharding propagation on
+        for p in model.parameters():  # whole-size fake tensors once, which a tracker would count as held
+            p.grad = torch.zeros_like(p) if p.requires_grad else None
+        clip_norm(model, cfg.grad_clip)
+        update(run)
+    tracker = dryrun.tracker(model, run.optimizers, cfg.fsdp)
+    with fake, tracker:
+        def batches():  # fake tokens; the tracker takes each micro-step's forward as a new one
+            for i in range(run.accum):
+                tracker.reset_mod_stats()
+                yield torch.randint(V, (b, T)), torch.randint(V, (b, T)), i == run.accum - 1
+
+        stepped, top = False, 0  # whether the peak grew last in an optimiser step; the peak so far
+        for _ in range(2):  # every micro-step of a step, twice
+            accumulate(run, batches())
+            clip_norm(model, cfg.grad_clip)
+            before = dryrun.by_kind(tracker.get_tracker_snapshot("peak"))[1]
+            update(run)
+            now = dryrun.by_kind(tracker.get_tracker_snapshot("peak"))[1]
+            stepped, top = now > before or (stepped and before == top), now
+    return dryrun.by_kind(tracker.get_tracker_snapshot("peak")), stepped
 
 
 if __name__ == "__main__":
