@@ -54,7 +54,7 @@ def enc_file(tmp_path_factory):
 @pytest.fixture(scope="session")
 def enc(enc_file):
     """The test encoding: GPT-2 pattern, test ranks, `<|endoftext|>` right after them."""
-    from data import load_encoding  # imported here so that model tests do not need data.py
+    from engine.data import load_encoding  # imported here so that model tests do not need data.py
     return load_encoding(enc_file)
 
 
@@ -158,7 +158,7 @@ def write_toy_shards(d):
     """Shards of a learnable toy language in folder d: 40 random 'sentences' of 12 tokens, each opened by token 0,
     drawn at random (test_train's data_dir, byte for byte)."""
     import numpy as np
-    from data import write_shard
+    from engine.data import write_shard
     rng = np.random.default_rng(0)
     sentences = rng.integers(1, TOY_VOCAB, size=(40, 12))
     tokens = np.concatenate([np.concatenate([[0], sentences[i]]) for i in rng.integers(0, 40, size=3000)])
@@ -179,7 +179,7 @@ def unbroken(toy_shards, tmp_path_factory):
     """The run of 2 processes under torchrun (test_faults.args: 40 steps, a checkpoint every 5, and a branch point at
     step 16) that every run broken by a fault, on one host, two or a Slurm node, must end up equal to; made once for
     every module and worker that compares with it, and only read."""
-    from test_faults import TORCHRUN, args, run  # the fault tests' command and settings, whose runs it anchors
+    from tests.test_faults import TORCHRUN, args, run  # the fault tests' command and settings, whose runs it anchors
 
     def make(out):
         code, _, err = run(TORCHRUN + ["train.py", *args(toy_shards, str(out), "--keep_full=16")])

@@ -27,12 +27,12 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from checkpoint import check_checkpoint, load_model
-from data import load_encoding
-from files import atomic_write, read_jsonl
-from httpclient import DownloadError, get_json
+from engine.checkpoint import check_checkpoint, load_model
+from engine.data import load_encoding
+from engine.files import atomic_write, read_jsonl
+from engine.httpclient import DownloadError, get_json
 from model import generate
-from parallel import Runtime
+from engine.parallel import Runtime
 
 # -----------------------------------------------------------------------------
 # The tasks: one small function per task turns a dataset row into (question, choices, gold)
@@ -283,7 +283,7 @@ def evaluate_task(task, docs, pool, enc, model, shots=5, batch_size=32, dtype=to
 # lm-evaluation-harness: any of its tasks on a checkpoint. Optional: only HarnessLM needs lm-eval installed.
 
 # the optional packages, lm-eval among them, at the versions tested
-HARNESS_PIP = "pip install -r requirements-test.txt"
+HARNESS_PIP = "pip install -r tests/requirements.txt"
 MAX_GEN_TOKS = 256  # the harness's default max_gen_toks (lm_eval's HFLM)
 
 
@@ -476,7 +476,7 @@ def build_parser():
     p.add_argument("--tasks", default=None, help="comma-separated subset of: " + ", ".join(TASKS) + " (default: all)")
     p.add_argument("--harness", metavar="TASKS", default=None,
                    help="run these lm-evaluation-harness tasks (comma-separated) with lm-eval itself "
-                        "(requirements-test.txt)")
+                        "(tests/requirements.txt)")
     p.add_argument("--include_path", metavar="DIR", default=None, help="--harness: a folder of extra task YAMLs")
     p.add_argument("--limit", type=int, default=None, help="evaluate only the first N docs of each task")
     p.add_argument("--shots", type=int, default=None, help="few-shot examples per request (default 5, the paper's; "

@@ -25,10 +25,10 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 import numpy as np
 from tqdm import tqdm
 
-from data import (MANIFEST, add_to_manifest, build_corpus, check_data, encoder, load_encoding, read_header,
+from engine.data import (MANIFEST, add_to_manifest, build_corpus, check_data, encoder, load_encoding, read_header,
                   write_shard)
-from files import read_jsonl
-from httpclient import ByteBar, DownloadError, download_file
+from engine.files import read_jsonl
+from engine.httpclient import ByteBar, DownloadError, download_file
 
 BASE_URL = "https://huggingface.co/datasets/kjj0/finewebedu10B-gpt2/resolve/main"
 NUM_TRAIN_SHARDS = 99  # finewebedu_train_000001 ... 000099 of kjj0/finewebedu10B-gpt2

@@ -12,10 +12,10 @@ import time
 
 import torch
 
-from checkpoint import load_model
-from data import load_encoding
+from engine.checkpoint import load_model
+from engine.data import load_encoding
 from model import generate
-from parallel import Runtime
+from engine.parallel import Runtime
 
 
 def parse_args(argv=None):

@@ -38,17 +38,14 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-import checkpoint
-import dryrun
-import parallel
-import sharding
-from checkpoint import RNG, branch_path, checkpoint_path, is_branch, kept_path, load_resumable, save_weights
-from configurator import help_text, key_comments, read_args, wants_help
-from data import DataLoader, check_data, ensure_corpus, val_batches
+from engine import checkpoint, dryrun, parallel, sharding
+from engine.checkpoint import RNG, branch_path, checkpoint_path, is_branch, kept_path, load_resumable, save_weights
+from engine.configurator import help_text, key_comments, read_args, wants_help
+from engine.data import DataLoader, check_data, ensure_corpus, val_batches
 from model import GPT, GPTConfig
 from optim import Muon, Optimizers, clip_gradients, clip_norm, muon_params
-from parallel import PREEMPTED, STOP_SIGNALS, RunFailed, StopSignals, Worker
-from runlog import Log
+from engine.parallel import PREEMPTED, STOP_SIGNALS, RunFailed, StopSignals, Worker
+from engine.runlog import Log
 
 
 # ----------------------------------------------------------------------------- the keys: the paper's 450M run

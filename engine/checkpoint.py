@@ -1,0 +1,317 @@
+"""
+Checkpoints: the one place that knows their format, as data.py is for shards. Two kinds, each saved and loaded here,
+and one reader that every tool calls for anything it accepts:
+
+    save_resumable, load_resumable, restore    train.py's <out_dir>/ckpt.pt: the run, to continue it bit for bit
+    save_weights, save_checkpoint              a weights-only checkpoint: train.py's keep_every, convert.py's exports
+    load_checkpoint, load_model                any checkpoint: ours, FSDP's ckpt.dcp directory, a Hugging Face folder
+
+Every read verifies the bytes before torch.load (or DCP) uses one (verify_torch_file, sharding.verify): torch.save's
+zip holds a CRC-32 of every entry, a ckpt.dcp a manifest of its files (and each tensor in them its zip's CRC-32s). A
+damaged file is a one-line error naming the file and the entry; --init_from=auto skips it for the newest checkpoint
+that verifies.
+
+A checkpoint is a torch.save'd dict of tensors and plain types, read with torch.load(weights_only=True), so a
+checkpoint can never run code:
+    model          the (uncompiled) model's state dict
+    model_config   GPTConfig as a dict
+    step           optimiser steps taken
+    config         train.py's whole configuration (absent from converted authors' models)
+    source         convert.py's note of where the weights came from (weights-only files only)
+and, for resuming, a run's resumable parts, each under its name ("parts" lists them): model, optimizers (each
+optimiser's state by its name), loader, rng, and any a fork registers; pending_log. A run under FSDP writes the
+directory ckpt.dcp instead (sharding.py); a model folder in the Hugging Face format (hf.py) reads as a weights-only
+checkpoint.
+"""
+import errno
+import os
+import random
+import re
+import shutil
+import sys
+from dataclasses import asdict
+
+import numpy as np
+import torch
+
+from engine import hf, sharding
+from engine.files import DamagedError, atomic_write, verify_zip
+from model import GPT, GPTConfig, check_state
+
+WEIGHTS = ("model", "model_config", "step", "config", "source")  # what a weights-only checkpoint keeps
+# the parts of a checkpoint written before they were listed in it (its optimizers a list: [Muon's, AdamW's])
+EARLIER_PARTS = ("model", "optimizers", "loader", "rng")
+
+
+def checkpoint_path(out_dir, sharded=False):
+    """A run's resume checkpoint, the one --init_from=resume and auto continue from: <out_dir>/ckpt.pt, or the
+    directory <out_dir>/ckpt.dcp of a run under FSDP."""
+    return os.path.join(out_dir, "ckpt.dcp" if sharded else "ckpt.pt")
+
+
+def kept_path(out_dir, step):
+    """The weights-only copy of a step that keep_every keeps beside the resume checkpoint."""
+    return os.path.join(out_dir, f"ckpt_{step:06d}.pt")
+
+
+def branch_path(out_dir, step, sharded=False):
+    """The resumable copy of a step that keep_full keeps beside the resume checkpoint: a branch point (under FSDP a
+    directory, as its ckpt.dcp)."""
+    return os.path.join(out_dir, f"ckpt_{step:06d}_full.{'dcp' if sharded else 'pt'}")
+
+
+def is_branch(path, out_dir):
+    """Whether a run in out_dir starting from the checkpoint path starts from another run's (a branch point of
+    keep_full), not from its own, of either kind."""
+    return path not in (checkpoint_path(out_dir), checkpoint_path(out_dir, sharded=True))
+
+
+# ----------------------------------------------------------------------------- the resumable kind
+
+def save_resumable(path, parts, header, worker=None):
+    """A training run's checkpoint: every resumable part's state_dict() under its name (parts: {name: part}, the
+    model first), beside header (model_config, config, step, pending_log: plain values). Rank 0 writes it,
+    atomically: a crash mid-write, or a full disk, leaves the previous one intact; under FSDP it is a directory that
+    every rank writes (sharding.save). worker (None: one process): every rank learns whether that worked, and a
+    rank's OSError is raised on all of them. Written as a run's ckpt.pt or ckpt.dcp, it removes the other kind's
+    there, which is older (a run that switched between DDP and FSDP)."""
+    master, error = worker is None or worker.master, None
+    try:
+        if sharding.reshard(parts["model"]):  # FSDP: every rank writes its shards
+            sharding.save(path, parts, header, master)
+        elif master:
+            with atomic_write(path) as f:
+                torch.save({**header, "parts": list(parts), **{n: part.state_dict() for n, part in parts.items()}}, f)
+    except OSError as e:
+        error = e
+    if worker.any(error is not None) if worker else error:
+        why = f"{error.strerror or error}" if error else "rank 0 could not write it"
+        raise OSError(f"{path}: {why}{' (the disk is full)' if error and error.errno == errno.ENOSPC else ''}")
+    other = {"ckpt.pt": "ckpt.dcp", "ckpt.dcp": "ckpt.pt"}.get(os.path.basename(path))
+    if master and other and os.path.exists(os.path.join(os.path.dirname(path), other)):
+        _remove(os.path.join(os.path.dirname(path), other))
+
+
+def load_resumable(out_dir, init_from, eval_only=False, sharded=False):
+    """Resuming: (checkpoint, its path) that a train.py run starts from, on the CPU (RNG states must stay CPU
+    tensors), or (None, None) for a new run. auto: out_dir's checkpoint if there is one, of either kind (the later
+    one if both; when there is none, the kind this run writes); one that does not verify (a damaged byte) is skipped,
+    with a line saying why, for the newest resumable one of out_dir that does (its other kind, then the branch points
+    of keep_full, the latest first), so that a requeued job goes on by itself. A file (a branch point of keep_full):
+    that file, or out_dir's own checkpoint once there is one (a branch that was stopped goes on from it). A file that
+    is not a resumable checkpoint is an error, never overwritten. FSDP's ckpt.dcp comes as its state.json: restore
+    puts its tensors into the parts themselves. eval_only: out_dir's checkpoint, of any kind."""
+    own = sharding.resume_path(checkpoint_path(out_dir), checkpoint_path(out_dir, sharded=True), sharded)
+    if not eval_only and (init_from == "scratch" or (init_from == "auto" and not os.path.exists(own))):
+        return None, None
+    path = own if eval_only or init_from in ("resume", "auto") or os.path.exists(own) else init_from
+    if path == init_from and not os.path.exists(path):
+        raise ValueError(f"init_from={init_from!r}: no such file; expected 'scratch', 'resume', 'auto' or a "
+                         f"checkpoint to branch from (a ckpt_<step>_full.pt, or .dcp, of keep_full)")
+    if init_from == "auto" and not eval_only:
+        return _newest_that_verifies(out_dir, path)
+    return _read_resumable(path, eval_only), path
+
+
+def _read_resumable(path, eval_only=False):
+    """The checkpoint at path, verified, if it is one a run resumes from (eval_only: any), or a one-line error."""
+    try:
+        ckpt = sharding.read_state(path) if _is_dcp(path) else load_checkpoint(path, ("model", "model_config", "step"))
+        _check_keys(ckpt, ("model_config", "step") if eval_only else ("model_config", "step", "config"), path)
+        if not eval_only and "parts" not in ckpt and "optimizers" not in ckpt and "param_groups" not in ckpt:
+            raise ValueError(f"{path}: no resumable parts in this checkpoint")
+    except ValueError as e:
+        if eval_only or isinstance(e, DamagedError):
+            raise
+        raise ValueError(f"{e}; a run resumes from train.py's own <out_dir>/ckpt.pt (or branches from a "
+                         f"ckpt_<step>_full.pt of keep_full), not a weights-only copy") from None
+    return ckpt
+
+
+def _newest_that_verifies(out_dir, own):
+    """auto's checkpoint: own (out_dir's resume checkpoint) if it verifies, else the newest of out_dir's other
+    resumable ones that does, each one skipped said in one line; a one-line error naming own's damage if none does."""
+    branches = sorted((p for p in os.listdir(out_dir) if re.fullmatch(r"ckpt_\d+_full\.(pt|dcp)", p)), reverse=True)
+    other = checkpoint_path(out_dir, sharded=not own.endswith(".dcp"))
+    first = None
+    for path in [own] + [other] * os.path.exists(other) + [os.path.join(out_dir, p) for p in branches]:
+        try:
+            return _read_resumable(path), path
+        except DamagedError as e:
+            first = first or e
+            print(f"note: --init_from=auto: skipped {e}; trying the next newest checkpoint", file=sys.stderr,
+                  flush=True)
+    raise DamagedError(f"{first}; no other checkpoint in {out_dir} verifies")
+
+
+def restore(ckpt, parts, path, every_part=True):
+    """A checkpoint put back into a run: each of parts ({name: part}, the model first) from its state under its name.
+    every_part: the checkpoint's parts and these are the same names (a resume; eval_only takes the model alone). Either
+    kind of checkpoint goes into either kind of model (sharding.restore: a ckpt.dcp into any model, or any
+    checkpoint into a model under FSDP). A part that does not fit is a one-line error. Returns the pending_log."""
+    saved = ckpt.get("parts", EARLIER_PARTS)
+    missing, extra = [n for n in parts if n not in saved], [n for n in saved if n not in parts and every_part]
+    if missing or extra:
+        raise ValueError(f"{path}: " + "; ".join(
+            [f"no {', '.join(missing)} in it, which this run has"] * bool(missing) +
+            [f"it holds {', '.join(extra)}, which this run has none of (it would be lost)"] * bool(extra)))
+    try:
+        if "sharded" in ckpt or sharding.reshard(parts["model"]):
+            sharding.restore(ckpt, parts)
+        else:
+            for name, part in parts.items():
+                part.load_state_dict(ckpt[name])
+    except (ValueError, KeyError, RuntimeError) as e:  # torch's: a model's missing keys, a group of another size
+        lines = [line.strip() for line in str(e).strip().splitlines()] or [type(e).__name__]
+        raise ValueError(f"{path}: {' '.join(lines[:2])}") from None  # torch's: a heading, then what
+    return ckpt.get("pending_log")
+
+
+def continued_keys(ckpt, given, path, defaults, changeable, why, own):
+    """(saved, keys) of a run that continues a checkpoint, both flat: saved, the checkpoint's (a key it lacks, added
+    after it was written, at its default; doc_mask: trained_doc_mask); keys, the run's: saved, but the keys of own at
+    their defaults, then what is given. A given key that is not changeable and differs from saved is refused in one
+    line naming both values, and why."""
+    recorded = {**ckpt.get("config", {}), **ckpt["model_config"], "doc_mask": trained_doc_mask(ckpt)}
+    saved = {k: recorded.get(k, default) for k, default in defaults.items()}
+    saved.update({k: tuple(v) for k, v in saved.items() if isinstance(v, list)})  # a tuple key, as JSON keeps it
+    refused = [k for k in defaults if k in given and k not in changeable and given[k] != saved[k]]
+    if refused:
+        show = lambda d: ", ".join(f"{k}={d[k]!r}" for k in refused)
+        raise ValueError(f"{path}: {show(saved)} in the checkpoint, {show(given)} given: {why} (leave the key out to "
+                         f"take the checkpoint's)")
+    return saved, {**saved, **{k: defaults[k] for k in own}, **given}
+
+
+class RNG:
+    """Python's, numpy's, torch's (and CUDA's) random number generators, as a resumable part. Its state: torch's as
+    tensors, the rest as JSON's types (a ckpt.dcp keeps those in its state.json)."""
+
+    @staticmethod
+    def state_dict():
+        np_state = np.random.get_state()
+        state = {"python": random.getstate(), "torch": torch.get_rng_state(),
+                 "numpy": (np_state[0], np_state[1].tolist(), *np_state[2:])}
+        if torch.cuda.is_available():
+            state["cuda"] = {str(i): t for i, t in enumerate(torch.cuda.get_rng_state_all())}
+        return state
+
+    @staticmethod
+    def load_state_dict(state):  # torch's, CUDA's: tensors, or lists of bytes (a ckpt.dcp of before, in state.json)
+        random.setstate((state["python"][0], tuple(state["python"][1]), state["python"][2]))  # JSON made them lists
+        torch.set_rng_state(torch.as_tensor(state["torch"], dtype=torch.uint8))
+        name, keys, *rest = state["numpy"]
+        np.random.set_state((name, np.array(keys, dtype=np.uint32), *rest))
+        if "cuda" in state and torch.cuda.is_available():
+            cuda = state["cuda"].values() if isinstance(state["cuda"], dict) else state["cuda"]
+            torch.cuda.set_rng_state_all([torch.as_tensor(t, dtype=torch.uint8) for t in cuda])
+
+
+def _remove(path):
+    """A checkpoint file, or a ckpt.dcp directory."""
+    if os.path.isdir(path):
+        shutil.rmtree(path)
+    else:
+        os.remove(path)
+
+
+# ----------------------------------------------------------------------------- the weights-only kind
+
+def save_weights(path, model, config, step, source, master=True):
+    """A weights-only checkpoint of a model (WEIGHTS): what eval.py, sample.py, analyze.py and convert.py read. A
+    model under FSDP's is streamed from its shards, a tensor at a time (sharding.save_weights)."""
+    header = {"model_config": asdict(model.config), "step": step, "config": config, "source": source}
+    if sharding.reshard(model):
+        sharding.save_weights(path, model, header, master)
+    elif master:
+        with atomic_write(path) as f:
+            torch.save({"model": model.state_dict(), **header}, f)
+
+
+def save_checkpoint(path, ckpt):
+    """Write a checkpoint dict with torch.save, atomically: a crash mid-write, or a full disk, leaves the previous
+    file intact."""
+    with atomic_write(path) as f:
+        torch.save(ckpt, f)
+
+
+# ----------------------------------------------------------------------------- reading, for every tool
+
+def load_checkpoint(path, keys=("model", "model_config"), mmap=False):
+    """The dict saved by train.py (or convert.py) on the CPU, read with torch.load(weights_only=True); or that of
+    a model folder in the Hugging Face format (hf.py: safetensors, no pickle), or of a Hub repository OWNER/NAME
+    that holds one (downloaded once); or FSDP's ckpt.dcp directory, read whole.
+    keys: what it must hold. mmap: map the tensors instead of reading them (those never used are never read;
+    safetensors maps them anyway)."""
+    if hf.is_folder(path) or (hf.is_repo_name(path) and not os.path.exists(path)):
+        ckpt = hf.read_folder(path if os.path.isdir(path) else hf.hub_folder(path))
+    elif _is_dcp(path):
+        return sharding.load_whole(path, keys)
+    else:
+        ckpt = _read_torch(path, mmap)
+    _check_keys(ckpt, keys, path)
+    return ckpt
+
+
+def check_checkpoint(path, mmap=False):
+    """A checkpoint of a model and its GPTConfig, its tensors checked against the config without building
+    the model: what load_model needs, or a one-line error. mmap: no tensor is read (a cheap check)."""
+    ckpt = load_checkpoint(path, mmap=mmap)
+    config = GPTConfig.from_dict(ckpt["model_config"], f"{path}: model_config")
+    check_state(config, ckpt["model"], path)
+    return ckpt, config
+
+
+def load_model(path, device="cpu"):
+    """The model of a checkpoint, in eval mode, and the checkpoint itself: what every tool calls."""
+    ckpt, config = check_checkpoint(path)
+    model = GPT(config)
+    model.load_state_dict(ckpt["model"])
+    return model.to(device).eval(), ckpt
+
+
+def trained_doc_mask(ckpt):
+    """Whether a checkpoint's model was trained (and validated) with document masking: as its training
+    config says; checkpoints from before that option were not; files without a training config, the
+    authors' models converted by convert.py, were."""
+    return ckpt["config"].get("doc_mask", False) if "config" in ckpt else True
+
+
+def _is_dcp(path):
+    """Whether path is to be read as FSDP's checkpoint: a directory that is not a Hugging Face folder
+    (sharding.read_state says so in one line when it holds no DCP checkpoint)."""
+    return os.path.isdir(path) and not hf.is_folder(path)
+
+
+ZIP_MAGIC = b"PK\x03\x04"  # torch.save's format since torch 1.6: a zip file, a CRC-32 of every entry
+
+
+def verify_torch_file(path):
+    """Every entry of a torch.save'd file read and checked against the CRC-32 its zip holds (zipfile checks it at
+    an entry's end), before torch.load uses a byte: a DamagedError naming the file and the entry. A file of torch's
+    format before 1.6 (not a zip) holds none: a note says it cannot be verified."""
+    with open(path, "rb") as f:
+        if f.read(len(ZIP_MAGIC)) != ZIP_MAGIC:
+            print(f"note: {path}: not a zip file (torch's format before 1.6): its bytes cannot be verified",
+                  file=sys.stderr, flush=True)
+            return
+        verify_zip(f, path)
+
+
+def _read_torch(path, mmap=False):
+    """A torch.save'd file, verified (verify_torch_file), then read with torch.load(weights_only=True), or a
+    one-line error."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{path}: no checkpoint there")
+    verify_torch_file(path)
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+    except Exception as e:  # torch raises UnpicklingError for forbidden globals, others for corrupt files
+        first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ValueError(f"{path}: not loadable with torch.load(weights_only=True) ({first_line})") from None
+
+
+def _check_keys(ckpt, keys, path):
+    missing = [k for k in keys if not isinstance(ckpt, dict) or k not in ckpt]
+    if missing:
+        raise ValueError(f"{path}: no {', '.join(missing)} in this checkpoint")
