@@ -23,6 +23,7 @@ optimiser's state by its name), loader, rng, and any a fork registers; pending_l
 directory ckpt.dcp instead (sharding.py); a model folder in the Hugging Face format (hf.py) reads as a weights-only
 checkpoint.
 """
+import contextlib
 import errno
 import os
 import random
@@ -68,13 +69,15 @@ def is_branch(path, out_dir):
 
 # ----------------------------------------------------------------------------- the resumable kind
 
-def save_resumable(path, parts, header, worker=None):
-    """A training run's checkpoint: every resumable part's state_dict() under its name (parts: {name: part}, the
-    model first), beside header (model_config, config, step, pending_log: plain values). Rank 0 writes it,
-    atomically: a crash mid-write, or a full disk, leaves the previous one intact; under FSDP it is a directory that
-    every rank writes (sharding.save). worker (None: one process): every rank learns whether that worked, and a
-    rank's OSError is raised on all of them. Written as a run's ckpt.pt or ckpt.dcp, it removes the other kind's
-    there, which is older (a run that switched between DDP and FSDP)."""
+def save_resumable(path, parts, step, config, worker=None, pending_log=None):
+    """A training run's checkpoint, as this module's docstring lists it: every resumable part (parts: {name: part},
+    the model first) under its name, the step, the run's whole configuration (config: flat) and pending_log. Rank 0
+    writes it, atomically: a crash mid-write, or a full disk, leaves the previous one intact; under FSDP it is a
+    directory that every rank writes (sharding.save). worker (None: one process): every rank learns whether that
+    worked, and a rank's OSError is raised on all of them. Written as a run's ckpt.pt or ckpt.dcp, it removes the
+    other kind's there, which is older (a run that switched between DDP and FSDP)."""
+    header = {"model_config": asdict(parts["model"].config), "config": config, "step": step,
+              **({"pending_log": pending_log} if pending_log else {})}
     master, error = worker is None or worker.master, None
     try:
         if sharding.reshard(parts["model"]):  # FSDP: every rank writes its shards
@@ -101,9 +104,11 @@ def load_resumable(out_dir, init_from, eval_only=False, sharded=False):
     that file, or out_dir's own checkpoint once there is one (a branch that was stopped goes on from it). A file that
     is not a resumable checkpoint is an error, never overwritten. FSDP's ckpt.dcp comes as its state.json: restore
     puts its tensors into the parts themselves. eval_only: out_dir's checkpoint, of any kind."""
-    own = sharding.resume_path(checkpoint_path(out_dir), checkpoint_path(out_dir, sharded=True), sharded)
+    own, read = own_checkpoint(out_dir, sharded)
     if not eval_only and (init_from == "scratch" or (init_from == "auto" and not os.path.exists(own))):
         return None, None
+    if read is not None and (init_from in ("resume", "auto") or eval_only):  # read already, choosing it
+        return read, own
     path = own if eval_only or init_from in ("resume", "auto") or os.path.exists(own) else init_from
     if path == init_from and not os.path.exists(path):
         raise ValueError(f"init_from={init_from!r}: no such file; expected 'scratch', 'resume', 'auto' or a "
@@ -111,6 +116,27 @@ def load_resumable(out_dir, init_from, eval_only=False, sharded=False):
     if init_from == "auto" and not eval_only:
         return _newest_that_verifies(out_dir, path)
     return _read_resumable(path, eval_only), path
+
+
+def own_checkpoint(out_dir, sharded):
+    """(path, the checkpoint read if it had to be) of out_dir's resume checkpoint: its ckpt.pt or its ckpt.dcp,
+    whichever holds the later step (a run may switch between DDP and FSDP; both are read, and one that does not read
+    is passed over: the other is chosen, and verified as it is read again), after finishing sharding.save's swap if
+    a stop came between its two renames; when there is neither, the one a run of this kind writes (path, None)."""
+    whole, directory = checkpoint_path(out_dir), checkpoint_path(out_dir, sharded=True)
+    if not os.path.exists(directory) and os.path.isdir(directory + ".old"):
+        with contextlib.suppress(FileNotFoundError):  # every rank may try; the first one's rename is the swap
+            os.rename(directory + ".old", directory)
+    found = [p for p in (whole, directory) if os.path.exists(p)]
+    if len(found) < 2:  # the usual case: one kind, or none yet
+        return (found[0] if found else directory if sharded else whole), None
+    read = {}  # stopped between a save and the removal of the other kind's older one
+    for path in found:
+        with contextlib.suppress(ValueError):  # damaged, or not one: the other is chosen
+            read[path] = _read_resumable(path)
+    later = max(read, key=lambda p: (read[p]["step"], p == directory), default=directory)  # neither reads: read
+    #   again, it says why
+    return later, read.get(later)
 
 
 def _read_resumable(path, eval_only=False):
@@ -165,6 +191,33 @@ def restore(ckpt, parts, path, every_part=True):
         lines = [line.strip() for line in str(e).strip().splitlines()] or [type(e).__name__]
         raise ValueError(f"{path}: {' '.join(lines[:2])}") from None  # torch's: a heading, then what
     return ckpt.get("pending_log")
+
+
+def continued_config(recipe, given, cfg, ckpt, path, say):
+    """(cfg, model_config) of a run that continues the checkpoint ckpt (at path): each key left out is the
+    checkpoint's, but recipe.PER_START's (recipe: the train module, its keys' kinds and its schedule). A resume may
+    change recipe.EXECUTION's keys; a branch (a keep_full point of another run) only recipe.BRANCH_FREE's, and only
+    from a step before which the two schedules agree (Hagele et al., 2024: exact or refused); an evaluation any but
+    the model's. A key given with another value than one it may not change is refused in one line."""
+    model_config = GPTConfig.from_dict(ckpt["model_config"], f"{path}: model_config")
+    branch = is_branch(path, cfg.out_dir) and cfg.init_from != "auto"  # auto: out_dir's own, maybe a kept one
+    if branch:  # a branch's own BRANCH_FREE keys are its own, never its parent's
+        rule = recipe.BRANCH_FREE, "a branch changes max_steps only", recipe.PER_START | recipe.BRANCH_FREE
+    elif cfg.eval_only:
+        rule = set(recipe.DEFAULTS), "the model is the checkpoint's", recipe.PER_START
+    else:
+        rule = recipe.EXECUTION, "a run continues with the recipe it was saved with", recipe.PER_START
+    saved, flat = continued_keys(ckpt, given, path, recipe.ALL_DEFAULTS, *rule)
+    cfg, parent = recipe.split_config(flat)[0], recipe.split_config(saved)[0]
+    if branch and (t := recipe.schedule_differs(parent, cfg, ckpt["step"])) is not None:
+        raise ValueError(f"{path}: cannot branch from it: the schedules of max_steps={parent.max_steps} and "
+                         f"max_steps={cfg.max_steps} differ from step {t}: a branch point s needs the same schedule at "
+                         f"every step before s (here s <= {t})")
+    if not (branch or cfg.eval_only) and cfg.max_steps != parent.max_steps:
+        t = recipe.schedule_differs(parent, cfg, max(cfg.max_steps, parent.max_steps))
+        say(f"max_steps={cfg.max_steps}, the run's was {parent.max_steps}: the two schedules "
+            + ("agree at every step" if t is None else f"differ from step {t} on"))
+    return cfg, model_config
 
 
 def continued_keys(ckpt, given, path, defaults, changeable, why, own):

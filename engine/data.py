@@ -152,15 +152,20 @@ def add_to_manifest(data_dir, entries):
         json.dump({"files": dict(sorted(files.items()))}, f, indent=1)
 
 
-def check_data(data_dir, hashes=False):
+def check_data(data_dir, hashes=False, say=None):
     """The shards of data_dir against its manifest: each one's size, and with hashes its sha256 (a read of every
     byte), a DamagedError naming the first that differs. Returns the shards the manifest does not list (copied in
-    by hand: not verifiable); a folder without a manifest (written before manifests) lists them all."""
+    by hand: not verifiable); a folder without a manifest (written before manifests) lists them all. say: where a
+    check of the hashes notes those it could not verify (a function of one line; None: no note)."""
     data_dir, files = str(data_dir), read_manifest(data_dir)
     for name in sorted(files):
         check_entry(os.path.join(data_dir, name), files[name], os.path.join(data_dir, MANIFEST), hashes)
     shards = sorted(os.path.basename(p) for p in glob.glob(os.path.join(glob.escape(data_dir), "*_*_*.bin")))
-    return [name for name in shards if name not in files]
+    unlisted = [name for name in shards if name not in files]
+    if unlisted and hashes and say:
+        say(f"note: {data_dir}: {len(unlisted)} shard(s) not in a manifest.json, not verified "
+            f"({unlisted[0]}{', ...' * (len(unlisted) > 1)})")
+    return unlisted
 
 
 def find_shards(data_dir, split):

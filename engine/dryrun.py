@@ -1,10 +1,11 @@
 """
 The dry run of a launch (train.py --dry_run=True): what each of its N processes would hold on its GPU, traced in one
-process on a CPU. train.py builds the model as the launch does and runs its real step (every micro-step's forward and
-backward, the clip, every optimiser's step with Muon's exchange) over fake tensors (FakeTensorMode: shapes, no data)
-and a fake process group of N ranks (its collectives do nothing), as rank 0. torch's trackers count what the step
-holds, by kind (FSDPMemTracker under FSDP, MemTracker otherwise); this file makes the group and the worker, names the
-kinds, and judges the peak against the GPU's memory.
+process on a CPU. The launch is configured and its model built as train.py does it, then its real step
+(train.train_step: every micro-step's forward and backward, the clip, every optimiser's step with Muon's exchange)
+runs twice over fake tensors (FakeTensorMode: shapes, no data) and a fake process group of N ranks (its collectives do
+nothing), as rank 0. torch's trackers count what the step holds, by kind (FSDPMemTracker under FSDP, MemTracker
+otherwise); this file makes the group and the worker, traces the steps, names the kinds, and judges the peak against
+the GPU's memory. train.py passes itself in (`recipe`): the engine imports nothing above it.
 
 What the emulation leaves out, or changes, and why the margin (HEADROOM) stays:
   - the CUDA context, NCCL's buffers, kernels' workspaces (cuBLAS, FlexAttention) and the caching allocator's
@@ -18,12 +19,15 @@ What the emulation leaves out, or changes, and why the margin (HEADROOM) stays:
     differ).
 """
 import copy
+import os
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from optim import Muon, moment_shape
+from engine.data import DataLoader
+from optim import Muon, clip_norm, moment_shape
 from engine.parallel import Runtime, Worker
 from engine.sharding import assign_owners
 
@@ -39,6 +43,81 @@ KINDS = {"parameters": ("Parameter", "Buffer", "Sharded Param", "Unsharded Param
          "activations": ("Activation",),
          "collectives": ("All Gather", "Reduce Scatter"),
          "temporaries": ("Temp", "Inputs", "Other")}
+
+
+def launch(recipe, given, cfg):
+    """The dry run of the launch of these keys (given: as read; cfg: its TrainConfig) at dry_world_size processes (or
+    torchrun's), with recipe (the train module: its configure, build_model, Run and train_step): configured and built
+    as the launch does, the model on the meta device, then two train_steps over fake tensors as rank 0 of a fake
+    process group, in bf16 autocast. Prints rank 0's peak GPU memory by kind against gpu_memory, whether it fits, and
+    each error the launch would hit, one line each. Returns whether it fits with no error."""
+    world = cfg.dry_world_size or int(os.environ.get("WORLD_SIZE", 1))
+    if world < 1 or cfg.gpu_memory <= 0:
+        print(f"train.py: dry run: error: dry_world_size={cfg.dry_world_size}, gpu_memory={cfg.gpu_memory}: expected "
+              f"a number of processes (0: torchrun's) and a positive number of GB")
+        return False
+    errors, worker, fits = [], fake_worker(world), False
+    try:
+        try:
+            cfg, model_config, _, _ = recipe.configure(given, cfg, worker)
+        except ValueError as e:  # the first wrong key: the launch stops there, but the model can still be traced
+            errors.append(str(e))
+            model_config = recipe.given_model_config(given)
+        T = model_config.block_size
+        try:  # the data: where the launch runs, not necessarily here
+            DataLoader(cfg.data_dir, cfg.batch_size, T, 0, world, model_config.vocab_size)
+        except (ValueError, OSError) as e:
+            worker.say(f"dry run: note: {e} (the launch's machines need it; not checked further here)")
+        accum = max(1, cfg.total_batch_size // (cfg.batch_size * T * world))
+        fake = fake_tensors()
+        model, eval_model, train_model, optimizers = recipe.build_model(cfg, model_config, worker, storage=fake)
+        # causal attention: the memory of FlexAttention's document masks on a GPU (no T x T scores), above
+        run = recipe.Run(replace(cfg, doc_mask=False), worker, accum, model, eval_model, train_model, optimizers, None,
+                         {})
+        peaks, where = trace(run, recipe.train_step, fake)
+        lines, fits = report(peaks, world, cfg.gpu_memory, where, cfg.fsdp,
+                             muon_owners(optimizers, world) if cfg.fsdp else None)
+        for line in lines:
+            worker.say(line)
+    except Exception as e:  # what the launch would hit in its first step, said in one line
+        errors.append(f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}")
+        fits = False
+    finally:
+        end(worker)
+    for e in errors:
+        worker.say(f"dry run: error: {e}")
+    return fits and not errors
+
+
+def trace(run, step, fake):
+    """Two of run's whole optimiser steps, step(run, batches), over fake tokens in fake (the fake tensors' mode), their
+    memory tracked: (rank 0's peak by kind, by_kind's; the part of the step in which it grew last)."""
+    model, cfg = run.model, run.cfg
+    with fake:  # the clip and the optimisers once, untracked: DTensor runs each new op's sharding propagation on
+        for p in model.parameters():  # whole-size fake tensors once, which a tracker would count as held
+            p.grad = torch.zeros_like(p) if p.requires_grad else None
+        clip_norm(model, cfg.grad_clip)
+        for opt in run.optimizers.values():
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    tracker_ = tracker(model, run.optimizers, cfg.fsdp)
+    peak = lambda: by_kind(tracker_.get_tracker_snapshot("peak"))[1]
+    before = []  # the peak as each step's optimisers begin
+    hook = next(iter(run.optimizers.values())).register_step_pre_hook(lambda *_: before.append(peak()))
+    B, T, V = cfg.batch_size, model.config.block_size, model.config.vocab_size
+    with fake, tracker_:
+        def batches():  # fake tokens; the tracker takes each micro-step's forward as a new one
+            for i in range(run.accum):
+                tracker_.reset_mod_stats()
+                yield torch.randint(V, (B, T)), torch.randint(V, (B, T)), i == run.accum - 1
+
+        stepped, top = False, 0  # whether the peak grew last in an optimiser step; the peak so far
+        for _ in range(2):  # every micro-step of a step, twice
+            step(run, batches())
+            now = peak()
+            stepped, top = now > before[-1] or (stepped and before[-1] == top), now
+    hook.remove()
+    return by_kind(tracker_.get_tracker_snapshot("peak")), "an optimiser step" if stepped else "forward and backward"
 
 
 def fake_worker(world_size, rank=0):

@@ -1,7 +1,7 @@
 """
-The processes of a run: joining the process group under torchrun, each worker's device and precision, spreading the
-model over the workers (DDP; sharding.py has FSDP's, for models beyond one GPU's memory), and stopping together: on a
-signal, with exit status 75; on a failed collective, in one line.
+The processes of a run: joining the process group under torchrun, each worker's device and precision, placing the
+model on the workers (DDP, or sharded: sharding.py has FSDP's, for models beyond one GPU's memory), and stopping
+together: on a signal, with exit status 75; on a failed collective, in one line.
 
     with parallel.join(cfg) as worker:                  # one process, or one of torchrun's
         model = parallel.data_parallel(model, worker)   # DDP when there are several
@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from engine import sharding
 from model import triton_available
 
 
@@ -204,6 +205,25 @@ def data_parallel(model, worker, bucket_mb=DDP_BUCKET_MB):
     new_name = "forward_sync_buffers" in inspect.signature(DDP).parameters
     return DDP(model, device_ids=[torch.device(worker.device).index] if cuda else None, bucket_cap_mb=bucket_mb,
                gradient_as_bucket_view=True, **{"forward_sync_buffers" if new_name else "broadcast_buffers": False})
+
+
+def place_model(model, worker, fsdp, storage=None):
+    """A model built on the meta device, placed on the worker's device in its three roles: (the model, what evaluates,
+    what trains), in DDP or FSDP. Under FSDP it is sharded in place (sharding.fully_shard_model: each block compiled) and all three
+    are it; otherwise the model is compiled (when the worker compiles) and in DDP (when there are several processes).
+    Each process gives storage to what it holds (its shards, or its replica) and initialises it, one whole parameter
+    at a time (GPT.init_weights, sharding.write_part): none holds the whole model in host memory. storage: the
+    context the tensors are made in instead (the dry run's FakeTensorMode), with no values."""
+    if fsdp:
+        model = sharding.fully_shard_model(model, worker)
+    with storage or contextlib.nullcontext():
+        model.to_empty(device=worker.device)
+    if storage is None:
+        model.init_weights(sharding.write_part)
+    if fsdp:
+        return model, model, model
+    eval_model = torch.compile(model) if worker.compile else model
+    return model, eval_model, data_parallel(eval_model, worker)
 
 
 def gradient_sync(model, last):

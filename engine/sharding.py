@@ -452,8 +452,8 @@ def save(path, parts, header, master):
     """A sharded run's resume checkpoint as the directory path: the tensors of every part ({name: part}, the model
     first), every rank writing its shards, and header (plain values) with the rest of each part in state.json.
     Written in path.tmp, then swapped in by two renames (path -> path.old, path.tmp -> path) and path.old removed, so
-    that a stop or a full disk mid-write leaves the previous checkpoint whole (resume_path completes a swap cut
-    between the renames). A rank's OSError (a full disk) is raised on every rank."""
+    that a stop or a full disk mid-write leaves the previous checkpoint whole (checkpoint.own_checkpoint completes a
+    swap cut between the renames). A rank's OSError (a full disk) is raised on every rank."""
     from torch.distributed.checkpoint.api import CheckpointException
     tmp, old = path + ".tmp", path + ".old"
     if master and os.path.exists(tmp):
@@ -508,25 +508,6 @@ def write_manifest(path, files):
         json.dump({"files": dict(sorted(files.items()))}, f, indent=1)
         f.flush()
         os.fsync(f.fileno())
-
-
-def resume_path(whole, directory, sharded):
-    """A run's resume checkpoint: its ckpt.pt (whole) or its ckpt.dcp (directory), whichever holds the later step (a
-    run may switch between DDP and FSDP; one that does not read is passed over), after finishing save's swap if a stop
-    came between its two renames; when there is neither, the one a run of this kind (sharded or not) writes."""
-    if not os.path.exists(directory) and os.path.isdir(directory + ".old"):
-        with contextlib.suppress(FileNotFoundError):  # every rank may try; the first one's rename is the swap
-            os.rename(directory + ".old", directory)
-    found = [p for p in (whole, directory) if os.path.exists(p)]
-    if len(found) == 2:  # stopped between a save and the removal of the other kind's older one
-        def step(read, path):  # -1 for one that does not read (damaged): the other is chosen, and verified as read
-            try:
-                return read(path)["step"]
-            except Exception:  # torch.load of a damaged zip raises any of several types
-                return -1
-        whole_step = step(lambda p: torch.load(p, map_location="cpu", weights_only=True, mmap=True), whole)
-        return found[step(read_state, directory) >= whole_step]
-    return found[0] if found else (directory if sharded else whole)
 
 
 def restore(ckpt, parts):

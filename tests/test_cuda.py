@@ -265,8 +265,8 @@ def test_sharded_muon_over_nccl_equals_the_unsharded_step(tmp_path):
 
 def test_the_dry_runs_peak_against_the_real_steps(capsys):
     """The dry run's peak (train.py --dry_run=True: fake tensors, torch's MemTracker, one process) against
-    torch.cuda.max_memory_allocated of the same two optimiser steps run on the GPU (train.build_model, accumulate,
-    clip, update; eager bf16, causal attention as the dry run traces it): within a quarter either way. Both are
+    torch.cuda.max_memory_allocated of the same two optimiser steps run on the GPU (train.build_model, then
+    train.train_step twice; eager bf16, causal attention as the dry run traces it): within a quarter either way. Both are
     printed (pytest -s): docs/GPU.md and docs/MEMORY.md wait for them."""
     args = ["configs/dyn_exo.py", "--n_layer=4", "--n_embd=512", "--n_head=8", "--block_size=2048", "--batch_size=4",
             "--total_batch_size=16384", "--doc_mask=False", "--compile=False", "--device=cuda"]  # 2 micro-steps
@@ -288,9 +288,7 @@ def test_the_dry_runs_peak_against_the_real_steps(capsys):
         batches = [(torch.randint(config.vocab_size, (cfg.batch_size, config.block_size), device=DEVICE),
                     torch.randint(config.vocab_size, (cfg.batch_size, config.block_size), device=DEVICE),
                     i == accum - 1) for i in range(accum)]
-        train.accumulate(run, batches)
-        optim.clip_norm(model, cfg.grad_clip)
-        train.update(run)
+        train.train_step(run, batches)
     real = torch.cuda.max_memory_allocated()
     with capsys.disabled():
         print(f"\ndry run's peak {dry / 2**30:.2f} GiB, the GPU's max_memory_allocated {real / 2**30:.2f} GiB")

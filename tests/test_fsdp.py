@@ -270,7 +270,7 @@ def test_an_optimizer_a_sharded_checkpoint_cannot_hold_is_refused_before_any_ste
 
 def test_keep_full_keeps_a_sharded_branch_point_that_branches_bit_for_bit(data_dir, tmp_path, one_rank_group):
     """Under FSDP, keep_full keeps ckpt_<step>_full.dcp; --init_from=<it> with a shorter max_steps ends bit for bit
-    as a run of that length from scratch (train.TrainConfig.branch_error's conditions hold: step 4 of 12 and 8)."""
+    as a run of that length from scratch (the branch rule holds: both schedules agree before step 4 of 12 and of 8)."""
     common = SMALL + [f"--data_dir={data_dir}", "--fsdp=True"]
     one_rank_group()
     train.main(common + [f"--out_dir={tmp_path / 'long'}", "--max_steps=12", "--keep_full=4"])
@@ -456,8 +456,7 @@ def _export_worker(rank, world, port, out, dtype):
     DTensor.full_tensor = gather
     loader = type("Loader", (), {"state_dict": lambda self: {"shard": 0}})()
     parts = {"model": model, "optimizers": train.build_optimizers(model, TrainConfig()), "loader": loader}
-    checkpoint.save_resumable(f"{out}/ckpt.dcp", parts, {"model_config": asdict(model.config), "config": {"seed": 0},
-                                                        "step": 7}, worker)
+    checkpoint.save_resumable(f"{out}/ckpt.dcp", parts, 7, {"seed": 0}, worker)
     if rank == 0:
         torch.save({"logits": logits, "alive": alive, "dtypes": {p.dtype for p in model.parameters()}}, f"{out}/r")
     dist.destroy_process_group()

@@ -9,10 +9,9 @@ import zipfile
 import pytest
 import torch
 
-from engine import data
 import prepare
-from engine import sharding
 import train
+from engine import checkpoint, data, sharding
 from engine.checkpoint import load_checkpoint, load_model, load_resumable
 from conftest import in_process
 from engine.files import DamagedError
@@ -154,14 +153,14 @@ def test_of_a_ckpt_pt_and_a_ckpt_dcp_the_later_is_resumed_and_a_damaged_one_is_p
     shutil.copytree(stopped, out)  # ckpt.dcp of step 5
     shutil.copy(run_dir / "ckpt.pt", out)  # of step 4
     whole, directory = str(out / "ckpt.pt"), str(out / "ckpt.dcp")
-    assert sharding.resume_path(whole, directory, sharded=False) == directory
+    assert checkpoint.own_checkpoint(str(out), sharded=False)[0] == directory
     state = (out / "ckpt.dcp" / "state.json").read_bytes()
     damage(out / "ckpt.dcp" / "state.json", "flip")
-    assert sharding.resume_path(whole, directory, sharded=True) == whole
+    assert checkpoint.own_checkpoint(str(out), sharded=True)[0] == whole
     assert load_resumable(str(out), "auto", sharded=True)[0]["step"] == 4
     (out / "ckpt.dcp" / "state.json").write_bytes(state)
     damage(out / "ckpt.pt", "truncate")  # no step readable
-    assert sharding.resume_path(whole, directory, sharded=False) == directory
+    assert checkpoint.own_checkpoint(str(out), sharded=False)[0] == directory
     assert load_resumable(str(out), "auto")[0]["step"] == 5
 
 

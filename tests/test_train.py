@@ -519,8 +519,8 @@ def test_a_cooldown_branched_from_a_longer_run_equals_a_run_of_its_own_length(da
 
 @pytest.mark.quick
 def test_a_branch_point_is_accepted_exactly_where_both_schedules_agree_before_it(monkeypatch):
-    """branch_error accepts step s of a parent run for a branch of another max_steps exactly where schedule(t) is
-    the same in both for every t < s: shorter and longer branches, warmups, momentum ramps and cooldowns of several
+    """A branch of another max_steps is accepted from step s of its parent run (schedule_differs finds no step
+    before s: engine/checkpoint.continued_config) exactly where schedule(t) is the same in both for every t < s: shorter and longer branches, warmups, momentum ramps and cooldowns of several
     lengths, and a cosine schedule (train.lr_multiplier replaced, as docs/FORKING.md's recipe does), which agrees
     only through the warmup. Holds for any fork's schedule: each expected step is computed from schedule()."""
     def agree(parent, child, s):
@@ -528,9 +528,7 @@ def test_a_branch_point_is_accepted_exactly_where_both_schedules_agree_before_it
 
     late = cfg(max_steps=8, warmup_steps=2, muon_momentum_steps=2)
     parted = next((t for t in range(8) if schedule(t, late) != schedule(t, replace(late, max_steps=12))), None)
-    assert late.branch_error(replace(late, max_steps=12), 8) == (None if parted is None else  # any fork's schedule
-        f"the schedules of max_steps=12 and max_steps=8 differ from step {parted}: a branch point s needs the same "
-        f"schedule at every step before s (here s <= {parted})")
+    assert train.schedule_differs(replace(late, max_steps=12), late, 8) == parted  # any fork's schedule
     for lr in (None, lambda step, c: min((step + 1) / c.warmup_steps, 0.5 * (1 + math.cos(math.pi * step /
                                                                                         c.max_steps)))):
         if lr:
@@ -539,7 +537,8 @@ def test_a_branch_point_is_accepted_exactly_where_both_schedules_agree_before_it
                                                                   (10, 30, 2, 1, 0.2), (40, 24, 5, 3, 0.5)]:
             child = cfg(max_steps=child_steps, warmup_steps=warmup, muon_momentum_steps=ramp, cooldown_frac=cooldown)
             parent = replace(child, max_steps=parent_steps)
-            accepted = [s for s in range(1, min(parent_steps, child_steps)) if child.branch_error(parent, s) is None]
+            accepted = [s for s in range(1, min(parent_steps, child_steps))
+                        if train.schedule_differs(parent, child, s) is None]
             exact = [s for s in range(1, min(parent_steps, child_steps)) if agree(parent, child, s)]
             assert accepted == exact and exact, (lr, parent_steps, child_steps)
             assert train.schedule_differs(parent, child, child_steps) == exact[-1]  # sweep.py's branch point
@@ -915,15 +914,15 @@ def test_step_times_leave_out_each_starts_first_step():
 
 def test_non_finite_gradient_norm_stops_and_keeps_last_checkpoint(data_dir, tmp_path, monkeypatch):
     """A finite loss with a non-finite gradient (as a miscompiled backward gives) stops the run at that step."""
-    steps, clip_gradients = [], train.clip_gradients
+    steps, clip_norm = [], train.clip_norm
 
     def poisoned(net, max_norm):
         steps.append(1)
         if len(steps) == 4:
             net.wte.weight.grad[0, 0] = float("nan")
-        return clip_gradients(net, max_norm)
+        return clip_norm(net, max_norm)
 
-    monkeypatch.setattr(train, "clip_gradients", poisoned)
+    monkeypatch.setattr(train, "clip_norm", poisoned)
     out = str(tmp_path / "out")
     with pytest.raises(SystemExit, match=r"non-finite gradient norm \(nan\) at step 4; the last good checkpoint"):
         train.main(SMALL + [f"--data_dir={data_dir}", f"--out_dir={out}", "--max_steps=10", "--ckpt_interval=2"])
