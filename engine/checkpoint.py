@@ -3,8 +3,12 @@ Checkpoints: the one place that knows their format, as data.py is for shards. Tw
 and one reader that every tool calls for anything it accepts:
 
     save_resumable, load_resumable, restore    train.py's <out_dir>/ckpt.pt: the run, to continue it bit for bit
+    continued_config                           the keys of a run that continues one: which it may change
     save_weights, save_checkpoint              a weights-only checkpoint: train.py's keep_every, convert.py's exports
     load_checkpoint, load_model                any checkpoint: ours, FSDP's ckpt.dcp directory, a Hugging Face folder
+
+load_resumable alone decides what a resume reads (own_checkpoint: ckpt.pt or ckpt.dcp, the later; a branch point;
+for --init_from=auto the newest that verifies), going down into sharding.py once for a ckpt.dcp (read_state).
 
 Every read verifies the bytes before torch.load (or DCP) uses one (verify_torch_file, sharding.verify): torch.save's
 zip holds a CRC-32 of every entry, a ckpt.dcp a manifest of its files (and each tensor in them its zip's CRC-32s). A

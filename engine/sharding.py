@@ -224,10 +224,10 @@ class Exchange:
 
 
 # ----------------------------------------------------------------------------- sharded checkpoints (DCP)
-# A sharded checkpoint is a directory, <out_dir>/ckpt.dcp: torch.distributed.checkpoint's (DCP's) files of the
-# tensors of every resumable part, each rank writing its own shards, DCP's .metadata, and state.json: everything else
-# of a resume checkpoint (model_config, config, step, pending_log, the parts' names, and each part's values that are
-# not tensors: the loader's position, the optimisers' param_groups by name). The model and the optimisers are saved
+# A sharded checkpoint is a directory, <out_dir>/ckpt.dcp, holding what engine/checkpoint.py says a resume checkpoint
+# holds: torch.distributed.checkpoint's (DCP's) files of the tensors of every resumable part, each rank writing its
+# own shards, DCP's .metadata, and state.json, everything else (the header, and each part's values that are not
+# tensors: the loader's position, the optimisers' param_groups by name). The model and the optimisers are saved
 # with torch's distributed state-dict functions (tensors by parameter name); any other part with its own state_dict().
 # What a part must satisfy for that: its state_dict() is a dict (nested dicts, string keys) whose leaves are tensors
 # (a DTensor for what is sharded, as the model's parameters are; any other tensor the same on every rank: one copy is

@@ -572,3 +572,25 @@ def test_every_relative_link_of_the_docs_resolves():
             assert os.path.exists(target), f"{page}: the link {link} names no file"
             if fragment and target.endswith(".md"):
                 assert fragment in anchors(target), f"{page}: the link {link} names no heading of {path or page}"
+
+
+def test_the_readme_opens_with_a_learners_path_whose_line_counts_hold():
+    """README.md's learner's path starts within its first 60 lines and names model.py and train.py; each row's count
+    of lines is that of what it names (a file to its banner, the first `# ====` line, or a function), within 10%, and
+    together they are the heading's "about N lines", within 10%: the path stays true as the code moves."""
+    readme = read("README.md")
+    heading = re.search(r"(?m)^## Read it: the paper in about ([\d,]+) lines$", readme)
+    assert heading and readme[:heading.start()].count("\n") < 60, "README.md: no learner's path in its first 60 lines"
+    section = readme[heading.end():].split("\n## ")[0]
+    rows = re.findall(r"(?m)^\| `([\w/]+\.py)(?::(\w+))?`(, to its banner)? \| [^|]+ \| ([\d,]+) \|$", section)
+    assert {"model.py", "train.py"} <= {name for name, *_ in rows}, rows
+    total = 0
+    for name, symbol, banner, stated in rows:
+        if symbol:
+            counted = len(symbol_source(os.path.join(ROOT, name), symbol).splitlines())
+        else:
+            assert banner, f"README.md: the learner's path names all of {name}"
+            counted = next(i for i, line in enumerate(read(name).splitlines()) if line.startswith("# ====="))
+        assert abs(counted - int(stated)) <= 0.1 * counted, f"README.md: {name} {symbol}: {counted} lines, not {stated}"
+        total += counted
+    assert abs(total - int(heading[1].replace(",", ""))) <= 0.1 * total, f"README.md: the path is {total} lines"
