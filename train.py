@@ -185,7 +185,9 @@ def build_optimizers(model, cfg):
     muon = muon_params(model)
     adam = [p for p in model.parameters() if id(p) not in set(map(id, muon)) and p.requires_grad]
     fused = {"fused": True} if next(model.parameters()).is_cuda else {}
-    return Optimizers(muon=Muon(muon, cfg.muon_lr, cfg.muon_momentum, cfg.muon_beta2, cfg.muon_weight_decay),
+    # where Muon's steps 2 and 3 find whole matrices: at their owners (FSDP), or on every rank, a share each (DDP)
+    exchange = sharding.Exchange if any(map(sharding.is_sharded, muon)) else parallel.Exchange
+    return Optimizers(muon=Muon(muon, cfg.muon_lr, cfg.muon_momentum, cfg.muon_beta2, cfg.muon_weight_decay, exchange),
                       adam=torch.optim.AdamW(adam, lr=cfg.adam_lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
                                              weight_decay=cfg.adam_weight_decay, **fused))
 
