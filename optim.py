@@ -1,16 +1,18 @@
 """
 The optimisers of the paper's recipe: Muon (Nesterov momentum, Polar Express, NorMuon, cautious weight decay) for the
-weight matrices inside the network (muon_params), AdamW for everything else. train.py builds them by name
-(build_optimizers: an Optimizers), sets their learning rates and Muon's momentum (its schedule), clips the gradients
-(clip_gradients) and steps them; Muon.update is what a step does with a stack of matrices, in the paper's order.
+weight matrices inside the network (muon_params), AdamW for everything else.
+
+muon_update is Muon's maths on one screen: its four steps on one matrix, in the paper's order. Muon is the optimiser
+that runs them fast, on stacks of same-shaped matrices, with steps 2 and 3 where the matrices are whole: its
+exchange moves them there and back (Exchange in one process, engine/parallel.py's under DDP, engine/sharding.py's
+under FSDP). The tests hold every path of Muon to muon_update. train.py builds the optimisers by name
+(build_optimizers: an Optimizers, which picks Muon's exchange), sets their learning rates and Muon's momentum (its
+schedule), clips the gradients (clip_gradients) and steps them. Nothing here imports from engine/.
 """
-import math
+import sys
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
-
-from engine import sharding
 
 # Polar Express coefficients (a, b, c) of the 5 iterations (Amsel et al., 2025, as the authors' train.py uses them)
 POLAR_EXPRESS = [
@@ -26,108 +28,27 @@ POLAR_EPS = 1e-6  # 2% more keeps them there through bf16 rounding, and eps guar
 NORMUON_EPS = 1e-10  # ours: a row (or column) whose update is all zero is divided by this, not by 0
 
 
-class Muon(torch.optim.Optimizer):
-    """Muon for the weight matrices. The matrices of one shape are updated as one stack (k, rows, cols), with foreach
-    ops for the momentum: the same ops whatever k, so that a step of the 450M dyn_exo layout dispatches 774 aten ops,
-    not 4,664 (one set per matrix: tiny kernels a GPU waits to launch). The state stays per matrix (the checkpoint
-    format). Under DDP each rank orthogonalises only its share of every stack and all-gathers the results; the cheap
-    elementwise work runs on every rank, so parameters and optimiser state stay identical everywhere (and
-    checkpointable from rank 0). Under FSDP each matrix's owner runs steps 2 and 3 on it whole (sharding.Exchange).
-    The weight decay is lr · wd, as in the authors' train.py (modded-nanogpt scales its own by lr² instead)."""
-
-    def __init__(self, params, lr, momentum, beta2, weight_decay, rank=None, world_size=None):
-        super().__init__(params, dict(lr=lr, momentum=momentum, beta2=beta2, weight_decay=weight_decay))
-        # DDP's: each rank orthogonalises a share of every stack (None: this process's place in its process group);
-        # a sharded model's owners hold whole matrices, and one process has no share to take
-        sharded = any(sharding.is_sharded(p) for g in self.param_groups for p in g["params"])
-        ranks = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() and not sharded else (0, 1)
-        self.rank, self.world_size = ranks[0] if rank is None else rank, ranks[1] if world_size is None else world_size
-
-    @torch.no_grad()
-    def step(self, closure=None):  # closure: the Optimizer API's (torch's state-dict functions pass None)
-        for group in self.param_groups:
-            by_shape = {}
-            for p in group["params"]:
-                if p.grad is not None:
-                    by_shape.setdefault(p.shape, []).append(p)
-            stacks = list(by_shape.values())
-            # under FSDP all stacks together, so that one all-to-all each way carries every matrix; else one stack at
-            # a time, its temporaries freed before the next
-            for batch in [stacks] if stacks and sharding.is_sharded(stacks[0][0]) else [[s] for s in stacks]:
-                self.update(batch, group)
-
-    def update(self, stacks, group):
-        """Muon's update of stacks of same-shaped matrices (each a list of parameters), its four steps in order."""
-        lr, mu, beta2, wd = group["lr"], group["momentum"], group["beta2"], group["weight_decay"]
-        states = [[self._state(p) for p in params] for params in stacks]
-        moments = [sharding.local([s["second_moment"] for s in stack]) for stack in states]
-        # 1. Nesterov momentum, as an EMA: m <- μ·m + (1-μ)·g, and the update g + μ·(m - g) looks one step further
-        #    along it. Elementwise, so under FSDP each rank runs it on its own rows.
-        updates = []
-        for params, stack in zip(stacks, states):
-            grads, momenta = sharding.local([p.grad for p in params]), sharding.local([s["momentum"] for s in stack])
-            torch._foreach_lerp_(momenta, grads, 1 - mu)
-            updates.append(torch._foreach_lerp(grads, momenta, mu))
-        # Steps 2 and 3 take whole matrices, each stack as one tensor (k, rows, cols): here all of them; under FSDP the
-        # ones this rank owns, their rows gathered from every rank, and the results sent back after step 3
-        exchange = sharding.Exchange(stacks, [[s["second_moment"] for s in stack] for stack in states]) \
-            if sharding.is_sharded(stacks[0][0]) else Unsharded
-        whole = exchange.to_owners(updates, moments)
-        for w in whole:
-            # 2. Polar Express: the nearest orthogonal matrix, U Vᵀ of the update's SVD, approximately, in bf16
-            o = self._gather(polar_express(self._share(w[0])), len(w[0])).float()
-            # 3. NorMuon: each row (or column) divided by the RMS of its history (the second moment w[1], updated in
-            #    place), rescaled to the orthogonalised update's norm, then the shape scaling
-            w[0] = normuon(o, w[1], beta2)
-        # 4. Cautious weight decay and the step: p -= lr·wd·p only where the update moves p towards 0, then
-        #    p -= lr·update. Elementwise: under FSDP each rank on its own rows.
-        for params, (normed, v), moment in zip(stacks, exchange.from_owners(whole), moments):
-            p = torch.stack(sharding.local(params))
-            p.sub_(lr * wd * (normed * p >= 0) * p)
-            p.sub_(lr * normed)
-            torch._foreach_copy_(sharding.local(params), p.unbind(0))
-            torch._foreach_copy_(moment, v.unbind(0))
-
-    def _state(self, p):
-        state = self.state[p]
-        if not state:
-            state["momentum"] = torch.zeros_like(p)
-            state["second_moment"] = sharding.zeros(moment_shape(*p.shape), like=p)  # sharded like p under FSDP
-        return state
-
-    def _share(self, stack):
-        """This rank's share of a stack of matrices (k, rows, cols) under DDP, padded with zero matrices so that every
-        rank's is the same size; the whole stack in one process (and under FSDP, whose owners hold whole stacks)."""
-        if self.world_size == 1:
-            return stack
-        share = math.ceil(len(stack) / self.world_size)
-        mine = stack[self.rank * share:(self.rank + 1) * share]
-        return torch.cat([mine, mine.new_zeros(share - len(mine), *mine.shape[1:])]) if len(mine) < share else mine
-
-    def _gather(self, share, k):
-        """Every rank's share of a stack of k matrices (DDP), back as the whole stack."""
-        if self.world_size == 1:
-            return share
-        parts = [torch.empty_like(share) for _ in range(self.world_size)]
-        dist.all_gather(parts, share)
-        return torch.cat(parts)[:k]
-
-
-class Unsharded:
-    """Where steps 2 and 3 find whole matrices when every rank holds them (one process, DDP): each stack as one
-    tensor, here. (sharding.Exchange is FSDP's, with the same two methods.)"""
-
-    @staticmethod
-    def to_owners(updates, moments):
-        return [[torch.stack(u), torch.stack(v)] for u, v in zip(updates, moments)]
-
-    @staticmethod
-    def from_owners(whole):
-        return whole
+def muon_update(p, grad, momentum, second_moment, lr, mu, beta2, wd):
+    """Muon's update of one weight matrix p (rows, cols), in place, from its gradient: the paper's four steps in
+    order. momentum (like p) and second_moment (moment_shape's) are its state, updated in place. This is what
+    Muon.step does to every matrix (stacked by shape, steps 2 and 3 spread over the ranks under DDP or FSDP), and
+    the tests hold every path of it to this function (tests/test_train.py)."""
+    # 1. Nesterov momentum, as an EMA: m <- μ·m + (1-μ)·g, and the update g + μ·(m - g) looks one step further along it
+    momentum.lerp_(grad, 1 - mu)
+    update = grad.lerp(momentum, mu)
+    # 2. Polar Express: the nearest orthogonal matrix, U Vᵀ of the update's SVD, approximately, in bf16
+    o = polar_express(update).float()
+    # 3. NorMuon: each row (or column) divided by the RMS of its history (the second moment, updated in place),
+    #    rescaled to the orthogonalised update's norm, then the shape scaling
+    normed = normuon(o, second_moment, beta2)
+    # 4. Cautious weight decay and the step: p -= lr·wd·p only where the update moves p towards 0, then p -= lr·update
+    p.sub_(lr * wd * (normed * p >= 0) * p)
+    p.sub_(lr * normed)
 
 
 def polar_express(G):
-    """Orthogonalise a stack of matrices (..., rows, cols) in bf16: U V^T of their SVD, approximately."""
+    """Orthogonalise a matrix (rows, cols), or a stack of them (k, rows, cols), in bf16: U V^T of their SVD,
+    approximately."""
     X = G.bfloat16()
     tall = X.size(-2) > X.size(-1)
     if tall:  # iterate on the smaller Gram matrix
@@ -145,9 +66,9 @@ def moment_shape(rows, cols):
 
 
 def normuon(o, v, beta2):
-    """The update of orthogonalised matrices o (k, rows, cols), fp32: NorMuon's normalisation by the second moments
-    v (k, rows, 1) or (k, 1, cols), which it updates in place, rescaled to each matrix's own norm, then the shape
-    scaling."""
+    """The update of an orthogonalised matrix o (rows, cols), or of a stack of them (k, rows, cols), fp32: NorMuon's
+    normalisation by the second moments v (moment_shape's, or a stack of them), which it updates in place, rescaled
+    to each matrix's own norm, then the shape scaling."""
     rows, cols = o.shape[-2:]
     v.lerp_(o.square().mean(dim=-1 if rows >= cols else -2, keepdim=True), 1 - beta2)
     normed = o * v.clamp_min(NORMUON_EPS).rsqrt()
@@ -155,6 +76,114 @@ def normuon(o, v, beta2):
     normed *= norm(o) / norm(normed).clamp_min(NORMUON_EPS)  # keep each orthogonalised update's norm
     normed *= max(1.0, rows / cols) ** 0.5
     return normed
+
+
+# ----------------------------------------------------------------------------- Muon: the same four steps, fast
+
+class Muon(torch.optim.Optimizer):
+    """Muon for the weight matrices: muon_update on every one, fast. The matrices of one shape are updated as one
+    stack (k, rows, cols), with foreach ops for the momentum: the same ops whatever k, so that a step of the 450M
+    dyn_exo layout dispatches 774 aten ops, not 4,664 (one set per matrix: tiny kernels a GPU waits to launch). The
+    state stays per matrix (the checkpoint format). Steps 1 and 4 are elementwise, and run on this rank's part of
+    each matrix; steps 2 and 3 take whole matrices, and run where those are: exchange, the class of which Muon makes
+    one at each step, takes them there and back. Exchange (below, the default): one process, every matrix here.
+    parallel.Exchange (DDP): every rank holds every matrix, orthogonalises a share of every stack and all-gathers the
+    results, so that parameters and state stay identical everywhere (and checkpointable from rank 0).
+    sharding.Exchange (FSDP): each matrix's owner gathers its rows from every rank, and sends each rank its rows of
+    the results. train.build_optimizers picks it. The weight decay is lr · wd, as in the authors' train.py
+    (modded-nanogpt scales its own by lr² instead)."""
+
+    def __init__(self, params, lr, momentum, beta2, weight_decay, exchange=None):
+        super().__init__(params, dict(lr=lr, momentum=momentum, beta2=beta2, weight_decay=weight_decay))
+        self.exchange = exchange or Exchange
+        if not self.exchange.sharded and any(is_dtensor(p) for g in self.param_groups for p in g["params"]):
+            raise ValueError("Muon: FSDP's parameters (DTensors) hold some rows of each matrix, and steps 2 and 3 take "
+                             "whole ones: pass exchange=sharding.Exchange (train.build_optimizers does)")
+
+    @torch.no_grad()
+    def step(self, closure=None):  # closure: the Optimizer API's (torch's state-dict functions pass None)
+        for group in self.param_groups:
+            by_shape = {}
+            for p in group["params"]:
+                if p.grad is not None:
+                    by_shape.setdefault(p.shape, []).append(p)
+            stacks = list(by_shape.values())
+            # under FSDP all stacks in one exchange, so that one all-to-all each way carries every matrix; else one
+            # stack at a time, its temporaries freed before the next
+            for batch in [stacks] if stacks and self.exchange.sharded else [[s] for s in stacks]:
+                self.update(batch, group)
+
+    def update(self, stacks, group):
+        """muon_update's four steps on stacks of same-shaped matrices (each a list of parameters), each step on all
+        the matrices of a stack at once."""
+        lr, mu, beta2, wd = group["lr"], group["momentum"], group["beta2"], group["weight_decay"]
+        exchange = self.exchange(stacks)
+        states = [[self._state(p, exchange) for p in params] for params in stacks]
+        moments = [exchange.local([s["second_moment"] for s in stack]) for stack in states]
+        # 1. Nesterov momentum, on this rank's part of each matrix, a stack's with foreach ops
+        updates = []
+        for params, stack in zip(stacks, states):
+            grads, momenta = exchange.local([p.grad for p in params]), exchange.local([s["momentum"] for s in stack])
+            torch._foreach_lerp_(momenta, grads, 1 - mu)
+            updates.append(torch._foreach_lerp(grads, momenta, mu))
+        # steps 2 and 3 where the matrices are whole, each stack as one tensor (k, rows, cols)
+        whole = exchange.to_owners(updates, moments)
+        for w in whole:
+            # 2. Polar Express, in bf16 (under DDP each rank on its share of the stack, all-gathered in bf16)
+            o = exchange.gather(polar_express(exchange.share(w[0])), len(w[0])).float()
+            # 3. NorMuon, the second moments w[1] updated in place (on every rank under DDP: they stay identical)
+            w[0] = normuon(o, w[1], beta2)
+        # 4. Cautious weight decay and the step, on this rank's part of each matrix, a stack as one tensor
+        for params, (normed, v), moment in zip(stacks, exchange.from_owners(whole), moments):
+            p = torch.stack(exchange.local(params))
+            p.sub_(lr * wd * (normed * p >= 0) * p)
+            p.sub_(lr * normed)
+            torch._foreach_copy_(exchange.local(params), p.unbind(0))
+            torch._foreach_copy_(moment, v.unbind(0))
+
+    def _state(self, p, exchange):
+        state = self.state[p]
+        if not state:
+            state["momentum"] = torch.zeros_like(p)
+            state["second_moment"] = exchange.zeros(moment_shape(*p.shape), like=p)  # sharded like p under FSDP
+        return state
+
+
+class Exchange:
+    """Where Muon's steps 2 and 3 find whole matrices, and how their results come back, in one process: every matrix
+    is whole here, so each stack becomes one tensor and nothing moves. Muon makes one at each step from the step's
+    stacks (lists of same-shaped parameters). parallel.Exchange (DDP: each rank orthogonalises a share of every
+    stack) and sharding.Exchange (FSDP: each matrix to its owner and back) are subclasses, with the same methods."""
+    sharded = False  # FSDP's: the parameters are DTensors, and all the stacks of a step go in one exchange
+
+    def __init__(self, stacks):  # the step's stacks: where their matrices go (here: nowhere)
+        pass
+
+    def zeros(self, shape, like):
+        """A state tensor of zeros of shape (a second moment) for the parameter like, on its device."""
+        return torch.zeros(shape, device=like.device)
+
+    def local(self, tensors):
+        """This rank's part of each tensor (steps 1 and 4 run on it): all of it."""
+        return tensors
+
+    def to_owners(self, updates, moments):
+        """The Nesterov updates and the second moments of each stack (lists of this rank's parts), as whole matrices
+        where steps 2 and 3 run on them: [[updates (k, rows, cols), second moments (k, ...)], ...], here."""
+        return [[torch.stack(u), torch.stack(v)] for u, v in zip(updates, moments)]
+
+    def share(self, stack):
+        """The matrices of a stack (k, rows, cols) that this rank orthogonalises: all of them."""
+        return stack
+
+    def gather(self, share, k):
+        """Every rank's share, back as the whole stack of k matrices: this rank's is all of it."""
+        return share
+
+    def from_owners(self, whole):
+        """to_owners's stacks after steps 2 and 3 ([normed updates, second moments] each), as this rank's part of each
+        matrix, stacked as the step's stacks: all of it."""
+        return whole
 
 
 # ----------------------------------------------------------------------------- which parameter goes where
@@ -251,10 +280,18 @@ def describe_optimizers(optimizers, model=None):
 def clip_gradients(model, max_norm):
     """Clip the global gradient norm to max_norm; return the norm before clipping (a sharded model's is summed from
     its shards)."""
-    return sharding.full_value(clip_norm(model, max_norm)).item()
+    norm = clip_norm(model, max_norm)
+    return (norm.full_tensor() if is_dtensor(norm) else norm).item()
 
 
 def clip_norm(model, max_norm):
     """clip_gradients's clip, its norm left a tensor on the device (a DTensor under FSDP): no sync, and fake tensors
     (the dry run) go through."""
     return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+
+
+def is_dtensor(t):
+    """Whether t is FSDP's, a DTensor (sharding.is_sharded asks this). DTensor is not imported for it (about 1 CPU-s:
+    sharding.py): until something has imported it, no tensor is one."""
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    return dtensor is not None and isinstance(t, dtensor.DTensor)

@@ -104,8 +104,7 @@ class TrainConfig:
         if self.keep_every < 0:
             raise ValueError(f"keep_every={self.keep_every}: expected 0 (none) or a positive number of steps")
         if not all(type(s) is int and 0 < s < self.max_steps for s in self.keep_full):
-            raise ValueError(f"keep_full={self.keep_full}: expected steps between 1 and max_steps-1="
-                             f"{self.max_steps - 1}")
+            raise ValueError(f"keep_full={self.keep_full}: expected steps from 1 to max_steps-1={self.max_steps - 1}")
         micro = self.batch_size * model_config.block_size * world_size
         if self.total_batch_size % micro:
             raise ValueError(f"total_batch_size={self.total_batch_size}: expected a multiple of batch_size x "
@@ -130,7 +129,9 @@ def build_optimizers(model, cfg):
     muon = muon_params(model)
     adam = [p for p in model.parameters() if id(p) not in set(map(id, muon)) and p.requires_grad]
     fused = {"fused": True} if next(model.parameters()).is_cuda else {}
-    return Optimizers(muon=Muon(muon, cfg.muon_lr, cfg.muon_momentum, cfg.muon_beta2, cfg.muon_weight_decay),
+    # where Muon's steps 2 and 3 find whole matrices: at their owners (FSDP), or on every rank, a share each (DDP)
+    exchange = sharding.Exchange if any(map(sharding.is_sharded, muon)) else parallel.Exchange
+    return Optimizers(muon=Muon(muon, cfg.muon_lr, cfg.muon_momentum, cfg.muon_beta2, cfg.muon_weight_decay, exchange),
                       adam=torch.optim.AdamW(adam, lr=cfg.adam_lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
                                              weight_decay=cfg.adam_weight_decay, **fused))
 
@@ -229,9 +230,8 @@ def train(run, log, stop):
 
 
 def log_entry(run, measured, evaluating):
-    """The log entry of run.step: what its step measured (nothing at step 0) and, when evaluating, the validation loss.
-    The loop, step 0 and the evaluation a stop left to the resumed run all build theirs here: a metric added here is
-    in each."""
+    """The log entry of run.step: what its step measured (nothing at step 0), and the validation loss if evaluating.
+    The loop, step 0 and the evaluation a stop left to a resumed run build theirs here: a metric added here is in all."""
     entry = {"step": run.step, **measured}
     if evaluating:
         entry["val_loss"] = evaluate(run, run.cfg.eval_tokens)

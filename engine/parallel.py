@@ -1,10 +1,12 @@
 """
 The processes of a run: joining the process group under torchrun, each worker's device and precision, placing the
-model on the workers (DDP, or sharded: sharding.py has FSDP's, for models beyond one GPU's memory), and stopping
-together: on a signal, with exit status 75; on a failed collective, in one line.
+model on the workers (DDP, or sharded: sharding.py has FSDP's, for models beyond one GPU's memory) and Muon's
+orthogonalisation over the ranks, and stopping together: on a signal, with exit status 75; on a failed collective, in
+one line.
 
     with parallel.join(cfg) as worker:                  # one process, or one of torchrun's
         model = parallel.data_parallel(model, worker)   # DDP when there are several
+        Muon(..., exchange=parallel.Exchange)           # train.py: a share of Muon's stacks on each rank
         ...
     # the process group has ended here, after the DDP wrappers that nothing holds were freed
 
@@ -14,6 +16,7 @@ import contextlib
 import ctypes
 import gc
 import inspect
+import math
 import os
 import re
 import signal
@@ -27,6 +30,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from engine import sharding
 from model import triton_available
+import optim
 
 
 # ----------------------------------------------------------------------------- where a model runs
@@ -230,6 +234,35 @@ def gradient_sync(model, last):
     """The context of one micro-step's backward: under DDP gradients are all-reduced on the last micro-step only
     (no_sync before it), so accumulation costs one all-reduce per optimiser step."""
     return model.no_sync() if isinstance(model, DDP) and not last else contextlib.nullcontext()
+
+
+# ----------------------------------------------------------------------------- Muon under DDP: a share each
+
+class Exchange(optim.Exchange):
+    """Muon's exchange under DDP (optim.Exchange's methods): every rank holds every matrix whole, and orthogonalises
+    only a share of every stack (Polar Express, the costly step, falls as 1/N), all-gathered in bf16. NorMuon then
+    runs on the whole stack on every rank, so that the second moments, and so the parameters, stay identical on
+    every rank (and checkpointable from rank 0). Outside a process group (one process), nothing is shared."""
+
+    def __init__(self, stacks):
+        self.rank, self.world_size = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+
+    def share(self, stack):
+        """This rank's share of a stack of matrices (k, rows, cols), padded with zero matrices so that every rank's is
+        the same size."""
+        if self.world_size == 1:
+            return stack
+        share = math.ceil(len(stack) / self.world_size)
+        mine = stack[self.rank * share:(self.rank + 1) * share]
+        return torch.cat([mine, mine.new_zeros(share - len(mine), *mine.shape[1:])]) if len(mine) < share else mine
+
+    def gather(self, share, k):
+        """Every rank's share of a stack of k matrices, back as the whole stack."""
+        if self.world_size == 1:
+            return share
+        parts = [torch.empty_like(share) for _ in range(self.world_size)]
+        dist.all_gather(parts, share)
+        return torch.cat(parts)[:k]
 
 
 # ----------------------------------------------------------------------------- stopping together

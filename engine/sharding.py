@@ -4,7 +4,7 @@ every weight, gradient and optimiser state. A reader of the one-process and DDP 
 modules reach it through a few calls, each of which does nothing for a whole (unsharded) tensor or model:
 
     model = sharding.fully_shard_model(model, worker)     # train.py builds a sharded model instead of DDP's
-    exchange = sharding.Exchange(stacks, moments)         # optim.py: Muon's whole matrices, to their owners and back
+    Muon(..., exchange=sharding.Exchange)                 # train.py, when sharded: Muon's matrices to their owners
     sharding.save(path, ...), sharding.read_state(path)   # checkpoint.py: the ckpt.dcp format (PyTorch's DCP)
 
 Everything here also runs on a CPU with gloo, where the tests exercise it; on CUDA the same calls use NCCL.
@@ -34,6 +34,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from engine.files import DamagedError, HashingWriter, atomic_write, check_entry, fsync_dir, verify_zip
 from model import GPTConfig, check_state
+import optim
 
 
 # ----------------------------------------------------------------------------- the model, sharded
@@ -107,22 +108,12 @@ def reshard(model):
 
 def is_sharded(tensor):
     """Whether a parameter (or optimiser state) is FSDP's: a DTensor, of whose rows this rank holds a shard."""
-    dtensor = sys.modules.get("torch.distributed.tensor")  # not imported: no tensor is a DTensor
-    return dtensor is not None and isinstance(tensor, dtensor.DTensor)
+    return optim.is_dtensor(tensor)
 
 
 def local(tensors):
     """This rank's part of each tensor: a DTensor's local shard, any other tensor itself."""
     return [t.to_local() if is_sharded(t) else t for t in tensors]
-
-
-def zeros(shape, like):
-    """Zeros of shape on like's device; sharded by rows over like's ranks when like is a DTensor, so that DCP
-    reshards them with it."""
-    if is_sharded(like):
-        from torch.distributed.tensor import Shard, zeros as distributed_zeros
-        return distributed_zeros(shape, device_mesh=like.device_mesh, placements=[Shard(0)])
-    return torch.zeros(shape, device=like.device)
 
 
 def full_value(t):
@@ -133,7 +124,8 @@ def full_value(t):
 # ----------------------------------------------------------------------------- Muon under FSDP: whole matrices
 # Orthogonalising each shard alone would not be Muon. Each matrix has an owner (assign_owners); one all-to-all brings
 # each owner the rows of its matrices' Nesterov updates and second moments from every rank, the owner runs Muon's
-# steps 2 and 3 on them whole (optim.Muon.update), and a second all-to-all returns each rank its rows of the results.
+# steps 2 and 3 on them whole (optim.Muon.update, as in one process), and a second all-to-all returns each rank its
+# rows of the results.
 
 def chunk_rows(n, world):
     """The rows of each rank's shard of n rows, as FSDP and DTensor's Shard(0) split them: torch.chunk's chunks of
@@ -162,16 +154,18 @@ def by_shape(indices, shapes):
     return list(groups.values())
 
 
-class Exchange:
-    """The sharded exchange of a Muon step, two all-to-alls, for stacks of same-shaped matrices (lists of DTensor
-    parameters, their rows split over the ranks: chunk_rows) and their second moments (DTensors split the same way).
-    Matrix i, counted through the stacks in order, is k = 2 tensors (its update and its second moment); owners[i] is
-    the rank that gets it whole."""
+class Exchange(optim.Exchange):
+    """The sharded exchange of a Muon step (FSDP's; optim.Exchange's methods), two all-to-alls, for the stacks of
+    same-shaped matrices of a step (lists of DTensor parameters, their rows split over the ranks: chunk_rows) and
+    their second moments (DTensors split the same way). Matrix i, counted through the stacks in order, is k = 2
+    tensors (its update and its second moment); owners[i] is the rank that gets it whole, and orthogonalises it
+    (share and gather: optim.Exchange's, which keep all of a stack)."""
+    sharded = True
 
-    def __init__(self, stacks, moments):
-        params, moments = [p for s in stacks for p in s], [m for s in moments for m in s]
+    def __init__(self, stacks):
+        params = [p for s in stacks for p in s]
         mesh = params[0].device_mesh
-        self.shapes = [[tuple(p.shape), tuple(m.shape)] for p, m in zip(params, moments)]
+        self.shapes = [[tuple(p.shape), optim.moment_shape(*p.shape)] for p in params]
         self.sizes = [len(s) for s in stacks]
         self.owners = assign_owners([s for s, _ in self.shapes], mesh.size())
         self.rank, self.world, self.group = mesh.get_local_rank(), mesh.size(), mesh.get_group()
@@ -179,6 +173,15 @@ class Exchange:
         self.mine = [i for i, owner in enumerate(self.owners) if owner == self.rank]
         self.owned = by_shape(self.mine, self.shapes)  # the stacks this rank orthogonalises
         self.k = 2
+
+    def zeros(self, shape, like):
+        """Zeros of shape, sharded by rows over like's ranks (a DTensor), so that DCP reshards them with it."""
+        from torch.distributed.tensor import Shard, zeros as distributed_zeros
+        return distributed_zeros(shape, device_mesh=like.device_mesh, placements=[Shard(0)])
+
+    def local(self, tensors):
+        """This rank's rows of each tensor (DTensors)."""
+        return local(tensors)
 
     def to_owners(self, updates, moments):
         """updates, moments: this rank's rows of every matrix, by stack. Returns the whole matrices this rank owns,

@@ -24,7 +24,7 @@ from torch.utils.checkpoint import checkpoint
 
 import model
 import optim
-from engine import parallel, runlog
+from engine import parallel, runlog, sharding
 import train
 from engine.checkpoint import load_checkpoint
 from engine.configurator import load_config
@@ -112,8 +112,8 @@ def muon_step(params, grads, weight_decay, lr=0.05):
 
 @pytest.mark.quick
 def test_muon_matches_the_spec_written_out():
-    """Pins the recipe: three steps of Muon on one tall and one wide matrix against the recipe written out line by
-    line."""
+    """Pins the recipe: three steps of optim.muon_update (Muon's maths, which every path of Muon gives: the tests
+    below) on one tall and one wide matrix against the recipe written out line by line."""
     torch.manual_seed(0)
     lr, mu, beta2, wd = 0.05, 0.9, 0.95, 0.1
     for shape in [(24, 8), (8, 24)]:
@@ -128,12 +128,65 @@ def test_muon_matches_the_spec_written_out():
             n = o / v.clamp_min(1e-10).sqrt()
             n = n * (o.norm() / n.norm()) * max(1, rows / cols) ** 0.5
             p = p - lr * wd * (n * p >= 0) * p - lr * n
-        param = torch.nn.Parameter(p0.clone())
-        opt = Muon([param], lr=lr, momentum=mu, beta2=beta2, weight_decay=wd)
+        param, momentum, second_moment = p0.clone(), torch.zeros(shape), torch.zeros(optim.moment_shape(*shape))
         for g in grads:
-            param.grad = g.clone()
-            opt.step()
-        torch.testing.assert_close(param.detach(), p, rtol=1e-5, atol=1e-6)
+            optim.muon_update(param, g.clone(), momentum, second_moment, lr, mu, beta2, wd)
+        torch.testing.assert_close(param, p, rtol=1e-5, atol=1e-6)
+
+
+# tall (15 rows: split 8 + 7 over 2 ranks), wide, square; stacks of 3 (k > 1, shared 2 + 1 over 2 ranks), 2 and 1
+MUON_SHAPES = [(15, 8), (15, 8), (15, 8), (8, 24), (8, 24), (12, 12)]
+MUON_STEPS = 3
+MUON_KEYS = dict(lr=0.05, momentum=0.9, beta2=0.95, weight_decay=0.1)
+
+
+def muon_problem():
+    """The weights and each step's gradients of MUON_SHAPES's matrices: the same in every process (seeded)."""
+    gen = torch.Generator().manual_seed(0)
+    weights = [torch.randn(s, generator=gen) for s in MUON_SHAPES]
+    return weights, [[torch.randn(s, generator=gen) for s in MUON_SHAPES] for _ in range(MUON_STEPS)]
+
+
+def muon_by_matrix(weights, grads):
+    """optim.muon_update on each matrix alone, every step: (weights, momentum, second moment) of each."""
+    found = []
+    for i, w in enumerate(weights):
+        p, m, v = w.clone(), torch.zeros_like(w), torch.zeros(optim.moment_shape(*w.shape))
+        for step in grads:
+            optim.muon_update(p, step[i].clone(), m, v, *MUON_KEYS.values())
+        found.append((p, m, v))
+    return found
+
+
+def muon_stepped(weights, grads, exchange=None, place=lambda t: t.clone(), whole=lambda t: t):
+    """Muon (with exchange) over the matrices, every step: (weights, momentum, second moment) of each, whole. place:
+    a whole tensor as this rank holds it (FSDP: its rows, a DTensor); whole: back."""
+    params = [torch.nn.Parameter(place(w)) for w in weights]
+    opt = Muon(params, **MUON_KEYS, exchange=exchange)
+    for step in grads:
+        for p, g in zip(params, step):
+            p.grad = place(g)
+        opt.step()
+    return [tuple(whole(t.detach()) for t in (p, opt.state[p]["momentum"], opt.state[p]["second_moment"]))
+            for p in params]
+
+
+def assert_gives_muon_update(found, path):
+    """Every matrix's weights, momentum and second moment, on one path of Muon, equal muon_update's matrix by
+    matrix. Equal bit for bit, on a CPU: Polar Express's bf16 bmm over a stack (or over DDP's share of it, padded
+    with zero matrices) rounds each matrix as its mm alone does (measured with torch 2.13.0: not one bit differs)."""
+    expected = muon_by_matrix(*muon_problem())
+    for shape, mine, theirs in zip(MUON_SHAPES, found, expected):
+        for what, a, b in zip(("weights", "momentum", "second moment"), mine, theirs):
+            assert torch.equal(a, b), (path, shape, what, (a - b).abs().max().item())
+
+
+@pytest.mark.quick
+def test_muon_in_one_process_gives_muon_update_matrix_by_matrix():
+    """Muon's stacks in one process (optim.Exchange, and DDP's outside a process group, train.py's plain run), three
+    steps, hold to optim.muon_update on each matrix alone."""
+    assert_gives_muon_update(muon_stepped(*muon_problem()), "one process")
+    assert_gives_muon_update(muon_stepped(*muon_problem(), exchange=parallel.Exchange), "one process, DDP's exchange")
 
 
 def test_cautious_weight_decay_skips_entries_whose_update_opposes_the_weight():
@@ -217,18 +270,40 @@ def test_schedules_at_chosen_steps():
     assert muon_momentum(38_146, c) == pytest.approx(0.851)
 
 
-def _sharded_muon_worker(rank, port, shapes, result_path):
+def _muon_paths_worker(rank, port, result_path):
+    """Rank `rank` of 2 (gloo): Muon over muon_problem's matrices under DDP's exchange (every rank holds them all, and
+    orthogonalises a share of every stack) and FSDP's (each rank holds some rows of each matrix, a DTensor, and its
+    owner runs steps 2 and 3 on it whole); and the one-line error of a Muon over DTensors without FSDP's."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    torch.manual_seed(0)  # the same parameters and gradients on both ranks, as after DDP's all-reduce
-    params = [torch.nn.Parameter(torch.randn(s)) for s in shapes]
-    steps = [[torch.randn(s) for s in shapes] for _ in range(3)]
-    opt = Muon(params, lr=0.05, momentum=0.9, beta2=0.95, weight_decay=0.1, rank=rank, world_size=2)
-    for grads in steps:
-        for p, g in zip(params, grads):
-            p.grad = g
-        opt.step()
-    torch.save([p.detach() for p in params], f"{result_path}.{rank}")
+    mesh = init_device_mesh("cpu", (2,))
+    rows = lambda t: distribute_tensor(t.clone(), mesh, [Shard(0)])  # FSDP's placement (sharding.chunk_rows)
+    found = {"DDP": muon_stepped(*muon_problem(), exchange=parallel.Exchange),
+             "FSDP": muon_stepped(*muon_problem(), exchange=sharding.Exchange, place=rows,
+                                  whole=lambda t: t.full_tensor())}
+    for exchange in (None, parallel.Exchange):
+        try:
+            muon_stepped(*muon_problem(), exchange=exchange, place=rows)
+        except ValueError as e:
+            found.setdefault("errors", []).append(str(e))
+    torch.save(found, f"{result_path}.{rank}")
     dist.destroy_process_group()
+
+
+def test_muon_under_ddp_and_fsdp_gives_muon_update_matrix_by_matrix(tmp_path):
+    """Muon's DDP path (2 ranks: the stack of 3 shared 2 + 1, the stack of 1 orthogonalised by rank 0 while rank 1
+    pads) and its FSDP path (2 ranks: every matrix's rows split, 15 of them unevenly; sharding.Exchange), three steps,
+    hold to optim.muon_update on each matrix alone, on every rank. A Muon over FSDP's DTensors without FSDP's exchange
+    is refused in one line."""
+    spawn(_muon_paths_worker, (free_port(), str(tmp_path / "r")), 2)
+    for rank in (0, 1):
+        found = torch.load(tmp_path / f"r.{rank}", weights_only=True)
+        for path in ("DDP", "FSDP"):
+            assert_gives_muon_update(found[path], f"{path}, rank {rank}")
+        assert found["errors"] == 2 * ["Muon: FSDP's parameters (DTensors) hold some rows of each matrix, and steps 2 "
+                                       "and 3 take whole ones: pass exchange=sharding.Exchange "
+                                       "(train.build_optimizers does)"]
 
 
 def free_port():
@@ -242,24 +317,6 @@ def one_process_torchrun(monkeypatch):
     env = dict(RANK=0, WORLD_SIZE=1, LOCAL_RANK=0, MASTER_ADDR="127.0.0.1", MASTER_PORT=free_port())
     for key, value in env.items():
         monkeypatch.setenv(key, str(value))
-
-
-def test_sharded_muon_equals_unsharded(tmp_path):
-    # three matrices of one shape (uneven split over 2 ranks), two of another, one alone
-    shapes = [(16, 8), (16, 8), (16, 8), (8, 24), (8, 24), (4, 4)]
-    spawn(_sharded_muon_worker, (free_port(), shapes, str(tmp_path / "r")), 2)
-    torch.manual_seed(0)
-    params = [torch.nn.Parameter(torch.randn(s)) for s in shapes]
-    steps = [[torch.randn(s) for s in shapes] for _ in range(3)]
-    opt = Muon(params, lr=0.05, momentum=0.9, beta2=0.95, weight_decay=0.1)
-    for grads in steps:
-        for p, g in zip(params, grads):
-            p.grad = g
-        opt.step()
-    for rank in (0, 1):
-        sharded = torch.load(tmp_path / f"r.{rank}", weights_only=True)
-        for a, b in zip(sharded, params):
-            torch.testing.assert_close(a, b.detach(), rtol=0, atol=1e-6)
 
 
 def every_kind_of_parameter():
