@@ -231,7 +231,8 @@ def train(run, log, stop):
 
 def log_entry(run, measured, evaluating):
     """The log entry of run.step: what its step measured (nothing at step 0), and the validation loss if evaluating.
-    The loop, step 0 and the evaluation a stop left to a resumed run build theirs here: a metric added here is in all."""
+    The loop, step 0 and the evaluation a stop left to a resumed run build theirs here: a metric added here is in all.
+    """
     entry = {"step": run.step, **measured}
     if evaluating:
         entry["val_loss"] = evaluate(run, run.cfg.eval_tokens)
