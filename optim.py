@@ -78,7 +78,9 @@ def normuon(o, v, beta2):
     return normed
 
 
-# ----------------------------------------------------------------------------- Muon: the same four steps, fast
+# =============================================================================================================
+# Muon: muon_update's four steps, fast, on stacks of same-shaped matrices, with steps 2 and 3 where the matrices are
+# whole (an exchange); then which parameter goes where, and a run's optimisers by name.
 
 class Muon(torch.optim.Optimizer):
     """Muon for the weight matrices: muon_update on every one, fast. The matrices of one shape are updated as one
