@@ -18,14 +18,16 @@ A forward pass, in the paper's order (GPT.features):
         s = sigmoid(W2 · GELU(W1 · x) + b2)         per-token scales of every λ (Eq. 12, dynamic only)
         Ŝ_n = λ_{n,1} ⊙ N(S_anc) + λ_{n,2} ⊙ S_n      each mixed projection (Eq. 10, mix_with_anchor)
         QK-norm and RoPE on q and k, causal attention, ⊙ sigmoid(g) (Gated Attention), c_proj; SwiGLU MLP
-    logits = lm_head(RMSNorm(h))
-Notation: C = n_embd, H = n_head, D = C/H, L = n_layer.
+    logits = lm_head(RMSNorm(h)), loss = cross-entropy + z-loss (lm_loss)
+Notation: C = n_embd, H = n_head, D = C/H, L = n_layer. Beside each choice the paper leaves open: whose it is, the
+authors' code (their release, whose checkpoints tools/convert.py loads into this model with the same logits) or ours.
 
-The file reads top to bottom as the paper, down to `logits, loss = model(idx, targets)`. Below the
-"Engineering" banner comes what makes it fit and run fast without changing what it computes: the attention
-kernels and document masks, the chunked loss, the KV cache and generation, the FLOP count. They stay in this
-file so that a fork of the model is a fork of one file. test_model.py's reference_logits is the same model
-written out on one screen, from the raw parameters.
+The file reads top to bottom as the paper, its initialisation included, down to `logits, loss = model(idx, targets)`.
+Below the "Engineering" banner comes what makes it fit and run fast without changing what it computes: the config's
+checks, the draws that keep a seed's weights, activation checkpointing, attention kernels and document masks, the
+chunked loss, the KV cache and generation, the FLOP count. They stay in this file so that a fork of the model is a
+fork of one file. test_model.py's reference_logits is the same model written out on one screen, from the raw
+parameters.
 """
 import functools
 from dataclasses import dataclass, fields
@@ -36,25 +38,28 @@ import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 from torch.utils.checkpoint import checkpoint
 
-PROJECTIONS = "qkvg"  # order of the projections in c_attn and anchor_proj: query, key, value, gate logit
+PROJECTIONS = "qkvg"  # order of the projections in c_attn and anchor_proj: query, key, value, gate logit (authors')
+ANCHOR, OWN = "1", "2"  # λ keys: lam[s + ANCHOR] is λ_{n,1}, the anchor's weight, lam[s + OWN] λ_{n,2}, the layer's
+#                         own projection's (Eq. 10): q1, q2, k1, ..., as the authors' lambda_q1, lambda_q2
 GRANULARITY_SHAPES = {"scalar": lambda H, D: (), "headwise": lambda H, D: (H, 1, 1),
                       "elementwise": lambda H, D: (H, 1, D)}  # λ shapes (§3.3), broadcast over (B, H, T, D)
 LAMBDA_INIT = 0.5  # every λ starts at 0.5 (§3.4) ...
 DYNAMIC_LAMBDA_INIT = 1.0  # ... and 1.0 when dynamic (§3.6), times its initial scale sigmoid(0) = 0.5: 0.5 again
 DYN_HIDDEN = 16  # width of the dynamic-mixing MLP (§3.6)
-INIT_STD = 0.02  # N(0, 0.02) truncated at ±3σ for every Linear and the embedding (the authors' model.py)
+INIT_STD = 0.02  # N(0, 0.02) truncated at ±3σ for every Linear and the embedding (the authors' init_std, cutoff 3)
 NORM_EPS = 1e-6  # RMSNorm's eps (the authors' rmsnorm_eps)
 EOT = 50256  # GPT-2's <|endoftext|>: in the packed training windows, each one opens a new document
 IGNORE = -1  # a target equal to it adds nothing to the loss or its gradient (nanoGPT's ignore_index)
 
 
 class RMSNorm(nn.Module):
-    """x * rsqrt(mean(x²) + eps) * weight, computed in fp32 whatever the activation dtype."""
+    """x * rsqrt(mean(x²) + eps) * weight, computed in fp32 whatever the activation dtype (as the authors' RMSNorm;
+    ours multiplies by the weight in fp32 too, in one op). The weight starts at 1 (GPT.init_weights)."""
 
     def __init__(self, dim, eps=NORM_EPS):
         super().__init__()
         self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.weight = nn.Parameter(torch.empty(dim))
 
     def forward(self, x):  # (..., dim) -> (..., dim)
         return F.rms_norm(x.float(), (x.size(-1),), self.weight.float(), self.eps).type_as(x)
@@ -68,7 +73,7 @@ def rotary_tables(head_dim, max_seq_len, theta):
 
 
 def rotate(x, cos, sin):
-    """RoPE, rotate-half (NeoX) layout: dimension i pairs with i + D/2. x (B, H, T, D), cos/sin (T, D/2)."""
+    """RoPE, rotate-half (NeoX) layout (the authors'): dimension i pairs with i + D/2. x (B, H, T, D), cos (T, D/2)."""
     cos, sin = cos.to(x.dtype), sin.to(x.dtype)
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
@@ -76,11 +81,12 @@ def rotate(x, cos, sin):
 
 class DynamicScale(nn.Module):
     """Eq. 12: one per-token scale for each λ of a layer,  s = sigmoid(W2 · GELU(W1 · x) + b2),  where x is
-    the layer's attention input (the RMS-normed hidden state). W2 and b2 start at zero: every s starts at 0.5."""
+    the layer's attention input, the RMS-normed hidden state (the authors' code). W2 and b2 start at zero (§3.6;
+    GPT.init_weights): every s starts at 0.5."""
 
     def __init__(self, n_embd, names):
         super().__init__()
-        self.names = names  # the λ they scale: q1, q2, k1, k2, ...
+        self.names = names  # the λ they scale, in the authors' order: q1, q2, k1, k2, ...
         self.fc1 = nn.Linear(n_embd, DYN_HIDDEN, bias=False)
         self.fc2 = nn.Linear(DYN_HIDDEN, len(names), bias=True)
 
@@ -91,8 +97,9 @@ class DynamicScale(nn.Module):
 
 def mix_with_anchor(own, anchor, lam1, lam2, s1=None, s2=None):
     """Eq. 10,  Ŝ = λ1 ⊙ N(S_anc) + λ2 ⊙ S,  and Eq. 12,  Ŝ = s1·λ1 ⊙ N(S_anc) + s2·λ2 ⊙ S.
-    own S and anchor N(S_anc) (B, H, T, D); anchor None when anchors are removed (§4.5); λ fp32 parameters,
-    cast so that bf16 activations stay bf16 under autocast; s1, s2 (B, 1, T, 1) the per-token scales, or None."""
+    own S and anchor N(S_anc) (B, H, T, D); anchor None when anchors are removed (§4.5): the λ1 term is gone;
+    λ1 (the anchor's weight), λ2 (own's): fp32 parameters, cast so that bf16 activations stay bf16 under autocast
+    (as the authors' code); s1, s2 (B, 1, T, 1) the per-token scales, or None."""
     out = lam2.to(own.dtype) * own
     if s2 is not None:
         out = out * s2
@@ -104,52 +111,48 @@ def mix_with_anchor(own, anchor, lam1, lam2, s1=None, s2=None):
 
 class CausalSelfAttention(nn.Module):
 
-    def __init__(self, config, layer, mixes):
+    def __init__(self, config, layer):
         super().__init__()
         self.layer, self.n_head, self.head_dim, self.gate = layer, config.n_head, config.head_dim, config.gate
         self.names = PROJECTIONS[:4 if config.gate else 3]
         self.c_attn = nn.Linear(config.n_embd, len(self.names) * config.n_embd, bias=False)
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=False)
-        self.q_norm, self.k_norm = RMSNorm(self.head_dim), RMSNorm(self.head_dim)  # QK-norm, shared by heads
-        # λ_{n,1} (anchor) and λ_{n,2} (own projection) of every projection this layer mixes, built in one loop
-        self.mixed = config.mixed if mixes else ""
+        self.q_norm, self.k_norm = RMSNorm(self.head_dim), RMSNorm(self.head_dim)  # QK-norm over D (authors')
+        # The projections this layer mixes with their anchors: exo anchors feed every layer; internal ones come from
+        # layer 1, which therefore mixes none (Fig. 1)
+        takes_anchors = config.anchor == "exo" or (config.anchor == "internal" and layer > 0)
+        self.mixed_here = config.mixed_projections if takes_anchors else ""
+        # λ_{n,1} and λ_{n,2} of each (keys s + ANCHOR, s + OWN), shaped by the granularity; values: GPT.init_weights
+        names = [s + i for s in self.mixed_here for i in (ANCHOR, OWN)]  # q1, q2, k1, ... (ParameterDict sorts them)
         shape = GRANULARITY_SHAPES[config.granularity](config.n_head, config.head_dim)
-        init = DYNAMIC_LAMBDA_INIT if config.dynamic else LAMBDA_INIT
-        names = [f"{s}{i}" for s in self.mixed for i in "12"]  # q1, q2, k1, ... (ParameterDict sorts its keys)
-        self.lam = nn.ParameterDict({name: nn.Parameter(torch.full(shape, init)) for name in names})
-        self.dyn = DynamicScale(config.n_embd, names) if (self.mixed and config.dynamic) else None
-        # Inspection hook for analysis (analyze.py); training never sets it. Called once per forward as
-        # inspect(q=, k=, g=, scales=): q, k (B, H, T, D) as they enter attention (mixed, QK-normed, RoPE),
-        # g the mixed gate logits (B, H, T, D) or None, scales DynamicScale's {λ name: (B, 1, T, 1)} or None.
-        self.inspect = None
+        self.lam = nn.ParameterDict({name: nn.Parameter(torch.empty(shape)) for name in names})
+        self.dyn = DynamicScale(config.n_embd, names) if (self.mixed_here and config.dynamic) else None
+        self.inspect = None  # tools/analyze.py's hook (analysis_hook, below); training never sets it
 
-    def forward(self, x, rope, anchors=None, mask=None, cache=None):
-        # x (B, T, C); rope: cos, sin (T, D/2) of x's positions; anchors {s: (B, H, T, D)}, normalised, or None;
-        # mask from document_mask or None; cache: a KVCache (generation) or None
+    def forward(self, x, rope, normed_anchors=None, mask=None, cache=None):
+        # x (B, T, C); rope: cos, sin (T, D/2) of x's positions; normed_anchors {s: N(S_anc) (B, H, T, D)}, or None
+        # (none yet, or removed: §4.5); mask from document_mask or None; cache: a KVCache (generation) or None
         # -> y (B, T, C), this layer's projections {s: (B, H, T, D)} (mixed, before QK-norm)
         B, T, C = x.shape
         qkvg = self.c_attn(x).view(B, T, len(self.names), self.n_head, self.head_dim)  # (B, T, 3 or 4, H, D)
-        proj = dict(zip(self.names, qkvg.transpose(1, 3).unbind(2)))  # each (B, H, T, D)
+        proj = dict(zip(self.names, qkvg.transpose(1, 3).unbind(2)))  # each S_n (B, H, T, D)
         scales = self.dyn(x) if self.dyn is not None else {}  # Eq. 12
-        for s in self.mixed:  # Eq. 10
-            args = (proj[s], None if anchors is None else anchors[s], self.lam[s + "1"], self.lam[s + "2"],
-                    scales.get(s + "1"), scales.get(s + "2"))
-            # per-token scales: recompute the products in backward rather than keep a (B, H, T, D) per λ
-            proj[s] = checkpoint(mix_with_anchor, *args, use_reentrant=False) \
-                if scales and torch.is_grad_enabled() else mix_with_anchor(*args)
+        for s in self.mixed_here:  # Eq. 10, before QK-norm and RoPE (the authors' code); with per-token scales
+            # checkpointed: the products recomputed in backward rather than a (B, H, T, D) kept per λ
+            anchor = None if normed_anchors is None else normed_anchors[s]
+            proj[s] = checkpointed(mix_with_anchor, proj[s], anchor, self.lam[s + ANCHOR], self.lam[s + OWN],
+                                   scales.get(s + ANCHOR), scales.get(s + OWN), when=bool(scales))
         q, k, v = rotate(self.q_norm(proj["q"]), *rope), rotate(self.k_norm(proj["k"]), *rope), proj["v"]
-        decoding = cache is not None and cache.holds(self.layer)  # one new token, which sees every cached one
-        if cache is not None:
-            k, v = cache.append(self.layer, k, v)
-        if self.inspect is not None:
-            self.inspect(q=q, k=k, g=proj.get("g"), scales=scales or None)
-        y = attention(q, k, v, mask, causal=not decoding)
-        if self.gate:  # Gated Attention (G1): elementwise sigmoid gate on the SDPA output
+        k, v, causal = (k, v, True) if cache is None else cache.extend(self.layer, k, v)  # generation: keys so far
+        analysis_hook(self, q=q, k=k, g=proj.get("g"), scales=scales or None)
+        y = attention(q, k, v, mask, causal)
+        if self.gate:  # Gated Attention (G1): elementwise sigmoid gate on the SDPA output, per head and channel
             y = y * torch.sigmoid(proj["g"])
         return self.c_proj(y.transpose(1, 2).reshape(B, T, C)), proj
 
 
 class MLP(nn.Module):
+    """SwiGLU, C -> 4C -> its two halves gated -> C (the authors' mlp_ratio 4 and halves)."""
 
     def __init__(self, config):
         super().__init__()
@@ -163,76 +166,48 @@ class MLP(nn.Module):
 
 class Block(nn.Module):
 
-    def __init__(self, config, layer, mixes):
+    def __init__(self, config, layer):
         super().__init__()
-        self.ln_1, self.ln_2 = RMSNorm(config.n_embd), RMSNorm(config.n_embd)
-        self.attn = CausalSelfAttention(config, layer, mixes)
+        self.ln_1, self.ln_2 = RMSNorm(config.n_embd), RMSNorm(config.n_embd)  # pre-norm (the authors' norm_pos)
+        self.attn = CausalSelfAttention(config, layer)
         self.mlp = MLP(config)
 
-    def forward(self, h, rope, anchors=None, mask=None, cache=None):  # (B, T, C) -> (B, T, C), its projections
-        a, proj = self.attn(self.ln_1(h), rope, anchors, mask, cache)
+    def forward(self, h, rope, normed_anchors=None, mask=None, cache=None):  # (B, T, C) -> (B, T, C), projections
+        a, proj = self.attn(self.ln_1(h), rope, normed_anchors, mask, cache)
         h = h + a
         return h + self.mlp(self.ln_2(h)), proj
 
 
 @dataclass(frozen=True)
 class GPTConfig:
-    block_size: int = 2048  # sequence length: the model's longest context, and the training windows'
-    vocab_size: int = 50304  # GPT-2's 50257 padded to a multiple of 128
-    n_layer: int = 32  # transformer blocks (L)
+    block_size: int = 2048  # sequence length: the model's longest context, and the training windows' (the paper's)
+    vocab_size: int = 50304  # GPT-2's 50257 padded to a multiple of 128 (ours: the authors' 57601 is a loader bug)
+    n_layer: int = 32  # transformer blocks (L); n_layer, n_head, n_embd: the paper's 450M models (§4.1)
     n_head: int = 16  # attention heads (H); n_embd/H must be even
     n_embd: int = 1024  # model width (C)
     rope_theta: float = 500000.0  # the authors' ModelConfig
     gate: bool = False  # Gated Attention: sigmoid gate on the attention output
     anchor: str = "none"  # where anchors come from: 'none', 'internal' (layer 1) or 'exo' (the embeddings)
-    mix: str = ""  # which projections are mixed with their anchor: a subset of 'qkvg'
+    mix: str = ""  # which projections are mixed with their anchor: letters of 'qkvg', any order (mixed_projections)
     granularity: str = "scalar"  # shape of each λ: 'scalar' (), 'headwise' (H,), 'elementwise' (H, D)
     anchor_norm: bool = False  # RMS-normalise anchors before mixing
     dynamic: bool = False  # per-token scaling of every λ by a small MLP (Eq. 12)
-    anchor_frozen: bool = False  # exo: anchor_proj stays at its random init (no gradient): the review's falsifier
+    anchor_frozen: bool = False  # exo: anchor_proj keeps its random init (no gradient): the review's falsifier (ours)
 
     def __post_init__(self):
-        for name in ("block_size", "vocab_size", "n_layer", "n_head", "n_embd"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"GPTConfig.{name}={getattr(self, name)}: expected a positive integer")
-        if self.n_embd % self.n_head:
-            raise ValueError(f"GPTConfig.n_head={self.n_head}: expected a divisor of n_embd={self.n_embd}")
-        if self.head_dim % 2:
-            raise ValueError(f"GPTConfig.n_head={self.n_head}: head dimension n_embd/n_head="
-                             f"{self.head_dim} must be even for RoPE")
-        for name, allowed in (("anchor", ("none", "internal", "exo")), ("granularity", tuple(GRANULARITY_SHAPES))):
-            if getattr(self, name) not in allowed:
-                raise ValueError(f"GPTConfig.{name}={getattr(self, name)!r}: expected one of "
-                                 f"{', '.join(map(repr, allowed))}")
-        if set(self.mix) - set(PROJECTIONS) or len(set(self.mix)) != len(self.mix):
-            raise ValueError(f"GPTConfig.mix={self.mix!r}: expected distinct letters from 'qkvg'")
-        if "g" in self.mix and not self.gate:
-            raise ValueError(f"GPTConfig.mix={self.mix!r}: mixing 'g' needs gate=True")
-        if self.anchor == "none" and (self.mix or self.anchor_norm or self.dynamic):
-            raise ValueError("GPTConfig.anchor='none': expected mix='', anchor_norm=False and dynamic=False")
-        if self.anchor != "none" and not self.mix:
-            raise ValueError(f"GPTConfig.mix='': anchor={self.anchor!r} expected a subset of 'qkvg'")
-        if self.anchor_frozen and self.anchor != "exo":
-            raise ValueError(f"GPTConfig.anchor_frozen=True: only exogenous anchors (anchor='exo') have "
-                             f"a projection to freeze, not anchor={self.anchor!r}")
+        check_config(self)  # a one-line error for a config that is no model (below the banner)
 
     @classmethod
-    def from_dict(cls, d, source="model_config"):
-        """The config saved in a checkpoint. A field it lacks (added to GPTConfig after the checkpoint was
-        written) takes its default, so a new field's default must reproduce the old behaviour."""
-        unknown = sorted(set(d) - {f.name for f in fields(cls)})
-        if unknown:
-            raise ValueError(f"{source}: unknown model field(s) {', '.join(unknown)} (written by another "
-                             f"version of model.py?); known: {', '.join(f.name for f in fields(cls))}")
-        return cls(**d)
+    def from_dict(cls, d, source="model_config"):  # the config a checkpoint holds, an older one's too
+        return cls(**known_fields(cls, d, source))
 
     @property
     def head_dim(self):
         return self.n_embd // self.n_head
 
     @property
-    def mixed(self):
-        """The mixed projections in canonical order ('gvq' -> 'qvg')."""
+    def mixed_projections(self):
+        """`mix` in canonical order ('gvq' -> 'qvg'): the order of anchor_proj's rows and of every layer's λ."""
         return "".join(s for s in PROJECTIONS if s in self.mix)
 
     @property
@@ -240,13 +215,21 @@ class GPTConfig:
         """The paper's name of the variant ('Dynamic E-ExoFormer'), for tables, titles and legends."""
         if self.anchor == "none":
             return "Gated Attention" if self.gate else "Baseline"
-        if self.anchor == "internal" and self.mixed == "v" and not (self.gate or self.anchor_norm or self.dynamic):
+        mixed = self.mixed_projections
+        if self.anchor == "internal" and mixed == "v" and not (self.gate or self.anchor_norm or self.dynamic):
             return "ResFormer" if self.granularity == "scalar" else f"ResFormer ({self.granularity})"
         name = self.granularity[0].upper() + ("-ExoFormer" if self.anchor == "exo" else "-NuResFormer")
-        flags = (("no gate", not self.gate), (f"mix {self.mixed}", self.mixed not in ("qkv", "qkvg")),
+        flags = (("no gate", not self.gate), (f"mix {mixed}", mixed not in ("qkv", "qkvg")),
                  ("no anchor norm", not self.anchor_norm), ("frozen anchors", self.anchor_frozen))
         notes = [n for n, on in flags if on]
         return ("Dynamic " if self.dynamic else "") + name + (f" ({', '.join(notes)})" if notes else "")
+
+
+def lm_loss(logits, targets, z_loss=0.0):
+    """The training objective, cross-entropy + z-loss (the authors' criterion.py): the mean cross-entropy over the
+    targets that are not IGNORE, plus z_loss · the mean of logsumexp(logits)² over them. (N, V) fp32, (N,) -> ()."""
+    lse = torch.logsumexp(logits, dim=-1)
+    return F.cross_entropy(logits, targets, ignore_index=IGNORE) + z_loss * lse[targets != IGNORE].square().mean()
 
 
 class GPT(nn.Module):
@@ -254,133 +237,106 @@ class GPT(nn.Module):
     def __init__(self, config):
         super().__init__()
         self.config = config
-        self.drop_anchor = False  # anchor removal at inference (§4.5): every λ1 term becomes 0
-        self.activation_checkpointing = False  # training: keep only each block's input, recompute the rest in backward
-        self.flex = None  # document masks: FlexAttention (True), a dense SDPA mask (False), None: FlexAttention on CUDA
-        self.loss_chunk = LOSS_CHUNK
-        C, D = config.n_embd, config.head_dim
-        # internal anchors come from layer 1, which therefore does not mix; exo anchors feed every layer
-        mixes = [config.anchor == "exo" or (config.anchor == "internal" and i > 0) for i in range(config.n_layer)]
-        self.wte = nn.Embedding(config.vocab_size, C)
-        self.blocks = nn.ModuleList(Block(config, i, m) for i, m in enumerate(mixes))
-        self.ln_f = RMSNorm(C)
-        self.lm_head = nn.Linear(C, config.vocab_size, bias=False)  # untied from wte
-        self.anchor_proj = nn.Linear(C, len(config.mixed) * C, bias=False) if config.anchor == "exo" else None
-        # Anchors with their own RMSNorm(D), N(·) of Eq. 10: all exo anchors; internal v and g (see normalize)
-        normed = ""
-        if config.anchor_norm:
-            normed = config.mixed if config.anchor == "exo" else config.mixed.replace("q", "").replace("k", "")
-        self.anchor_norms = nn.ModuleDict({s: RMSNorm(D) for s in normed})
-        cos, sin = rotary_tables(D, config.block_size, config.rope_theta)  # once for every layer
-        self.register_buffer("rope_cos", cos, persistent=False)  # derived from the config: not in the state dict
-        self.register_buffer("rope_sin", sin, persistent=False)
-        self.apply(self._init_weights)
-        # zero-initialised output layers (the authors' model.py, as modded-nanogpt): each block starts as the
-        # identity, the logits at 0; the dynamic scales start at sigmoid(0) = 0.5 (§3.6)
-        for m in self.zero_initialised():
-            nn.init.zeros_(m.weight)
-            if m.bias is not None:
-                nn.init.zeros_(m.bias)
+        self.drop_anchor = False  # anchor removal at inference (§4.5, in features): every λ_{n,1} term becomes 0
+        # engineering, below the banner: activation checkpointing (checkpointed), document masks' kernel (True:
+        # FlexAttention, False: a dense SDPA mask, None: FlexAttention on CUDA), tokens per chunk of the loss
+        self.activation_checkpointing, self.flex, self.loss_chunk = False, None, LOSS_CHUNK
+        C, D, mixed = config.n_embd, config.head_dim, config.mixed_projections
+        device = torch.get_default_device()  # where GPT(config) is built; "meta" (train.py, check_state): no values
+        with torch.device("meta"):  # the modules without values, which init_weights gives them
+            self.wte = nn.Embedding(config.vocab_size, C)
+            self.blocks = nn.ModuleList(Block(config, i) for i in range(config.n_layer))
+            self.ln_f = RMSNorm(C)
+            self.lm_head = nn.Linear(C, config.vocab_size, bias=False)  # untied from wte (the authors' code)
+            self.anchor_proj = nn.Linear(C, len(mixed) * C, bias=False) if config.anchor == "exo" else None  # W_anc
+            # Anchors with their own RMSNorm(D), N(·) of Eq. 10: all exo anchors; internal v and g (see normalize)
+            normed = ""
+            if config.anchor_norm:
+                normed = mixed if config.anchor == "exo" else mixed.replace("q", "").replace("k", "")
+            self.anchor_norms = nn.ModuleDict({s: RMSNorm(D) for s in normed})
+            for name in ("rope_cos", "rope_sin"):  # RoPE's tables, once for every layer: from the config, not saved
+                self.register_buffer(name, torch.empty(config.block_size, D // 2, dtype=torch.float32),
+                                     persistent=False)
         if config.anchor_frozen:  # a fixed random projection of the embeddings: trained by nothing
             self.anchor_proj.weight.requires_grad_(False)
-
-    @staticmethod
-    def _init_weights(m):
-        if isinstance(m, (nn.Linear, nn.Embedding)):
-            nn.init.trunc_normal_(m.weight, std=INIT_STD, a=-3 * INIT_STD, b=3 * INIT_STD)
-            if getattr(m, "bias", None) is not None:
-                nn.init.zeros_(m.bias)
-
-    def zero_initialised(self):
-        """The output layers that start at zero: lm_head, each block's c_proj and fc2, the dynamic scales' fc2."""
-        return [self.lm_head] + [m for b in self.blocks for m in (b.attn.c_proj, b.mlp.fc2)] + \
-               [b.attn.dyn.fc2 for b in self.blocks if b.attn.dyn is not None]
+        if device.type != "meta":
+            self.to_empty(device=device)
+            self.init_weights()
 
     @torch.no_grad()
     def init_weights(self, write=None):
-        """Give a GPT built on the meta device, then given storage (to_empty; sharded or not), exactly the values
-        that GPT(config) on the CPU starts with from the same state of the global generator, and leave the generator
-        where GPT(config) leaves it: the draws of each Linear's and the embedding's construction (their
-        reset_parameters, discarded), then __init__'s own, in the same order. Each parameter is made whole on the CPU,
-        one at a time, and write(param, whole) stores the part of it that param holds (default: all of it; a shard's
-        rows under FSDP, sharding.write_part): a process holds one parameter in host memory, never the model."""
-        write = write or (lambda param, whole: param.copy_(whole))
-        drawn = [m for m in self.modules() if isinstance(m, (nn.Linear, nn.Embedding))]  # construction's order
-        for m in drawn:  # each built again on the CPU, as __init__ built it: the same draws
-            if isinstance(m, nn.Linear):
-                nn.Linear(m.in_features, m.out_features, bias=m.bias is not None)
-            else:
-                nn.Embedding(m.num_embeddings, m.embedding_dim)
-        zero, done = set(map(id, self.zero_initialised())), set()
-        for m in drawn:  # self.apply(self._init_weights) visits them in the same order
-            whole = torch.empty(m.weight.shape, dtype=m.weight.dtype)
-            nn.init.trunc_normal_(whole, std=INIT_STD, a=-3 * INIT_STD, b=3 * INIT_STD)  # as _init_weights
-            write(m.weight, whole.zero_() if id(m) in zero else whole)
-            if getattr(m, "bias", None) is not None:
-                write(m.bias, torch.zeros(m.bias.shape, dtype=m.bias.dtype))
-            done |= {id(p) for p in m.parameters(recurse=False)}
-        lam = DYNAMIC_LAMBDA_INIT if self.config.dynamic else LAMBDA_INIT
-        for name, p in self.named_parameters():
-            if id(p) in done:
-                continue
-            owner = self.get_submodule(name.rpartition(".")[0])
-            if isinstance(owner, RMSNorm):
-                write(p, torch.ones(p.shape, dtype=p.dtype))
+        """Every parameter's initial value, given here only (by GPT(config); by train.py after a meta-device build):
+        each Linear's weight and the embedding N(0, 0.02) truncated at ±3σ (INIT_STD), then zero-initialised output
+        layers, lm_head and each block's c_proj and fc2 (the authors' ZeroInitLinear: each block starts as the
+        identity, the logits at 0), and the dynamic scales' fc2 (§3.6: every s starts at 0.5; the authors' code draws
+        it); 1 for every norm; each λ at its init (§3.4, §3.6). write(param, value) stores a value made whole on the
+        CPU, one at a time (default: all of it; under FSDP this process's rows, sharding.write_part)."""
+        write, c = write or (lambda param, value: param.copy_(value)), self.config
+        replay_construction_draws(self)  # engineering: a seed gives the weights it has always given
+        zero_initialised = [self.lm_head] + [m for b in self.blocks for m in (b.attn.c_proj, b.mlp.fc2)] + \
+                           [b.attn.dyn.fc2 for b in self.blocks if b.attn.dyn is not None]
+        lam = DYNAMIC_LAMBDA_INIT if c.dynamic else LAMBDA_INIT
+        for name, p in self.named_parameters():  # module by module: the draws in the order they always had
+            owner, kind = self.get_submodule(name.rpartition(".")[0]), name.rpartition(".")[2]
+            value = torch.empty(p.shape, dtype=p.dtype, device="cpu")
+            if isinstance(owner, (nn.Linear, nn.Embedding)) and kind == "weight":
+                nn.init.trunc_normal_(value, std=INIT_STD, a=-3 * INIT_STD, b=3 * INIT_STD)
+                if owner in zero_initialised:  # drawn, then zeroed: the later draws stay where they were
+                    value.zero_()
+            elif isinstance(owner, nn.Linear):  # a bias: only the dynamic scales' fc2 has one
+                value.zero_()
+            elif isinstance(owner, RMSNorm):
+                value.fill_(1.0)
             elif isinstance(owner, nn.ParameterDict) and name.split(".")[-2] == "lam":  # every λ
-                write(p, torch.full(p.shape, lam, dtype=p.dtype))
+                value.fill_(lam)
             else:
-                raise ValueError(f"GPT.init_weights: no initial value for the parameter {name}: give it the one "
-                                 f"GPT.__init__ gives it")
-        other = [n for n, _ in self.named_buffers() if n not in ("rope_cos", "rope_sin")]
-        if other:
-            raise ValueError(f"GPT.init_weights: no initial value for the buffer {other[0]}: give it the one "
-                             f"GPT.__init__ gives it")
-        for buffer, value in zip((self.rope_cos, self.rope_sin), rotary_tables(
-                self.config.head_dim, self.config.block_size, self.config.rope_theta)):
-            buffer.copy_(value)
+                raise ValueError(f"GPT.init_weights: no initial value for the parameter {name}: give it one there")
+            write(p, value)
+        tables = dict(zip(("rope_cos", "rope_sin"), rotary_tables(c.head_dim, c.block_size, c.rope_theta)))
+        for name, buffer in self.named_buffers():  # RoPE's tables, the only buffers
+            if name not in tables:
+                raise ValueError(f"GPT.init_weights: no initial value for the buffer {name}: give it one there")
+            buffer.copy_(tables[name])
 
     def num_params(self):
         return sum(p.numel() for p in self.parameters())
 
     def normalize(self, anchors):
-        """N(·) of Eq. 10: with anchor_norm, every exo anchor and the internal v and g anchors through their own
-        RMSNorm(D); internal q and k anchors through layer 1's QK-norm (what layer 1 attends with, before RoPE)."""
+        """N(·) of Eq. 10, with anchor_norm: every exo anchor and the internal v and g anchors through an RMSNorm(D)
+        of their own (the authors' anchor_{s}_norm, v_res_norm, g_res_norm); internal q and k anchors through layer
+        1's QK-norm, what layer 1 attends with before RoPE, instead: the authors' code (their q_residual, k_residual),
+        which the paper's N(·) leaves open."""
         norms = dict(self.anchor_norms.items())
         if self.config.anchor == "internal" and self.config.anchor_norm:
             norms.update(q=self.blocks[0].attn.q_norm, k=self.blocks[0].attn.k_norm)
         return {s: norms[s](a) if s in norms else a for s, a in anchors.items()}
 
     def features(self, idx, doc_mask=False, mask=None, cache=None):
-        """idx (B, T) int64 -> final hidden states (B, T, C), what lm_head turns into logits (a scorer that
-        needs a few positions only, eval.py, applies lm_head to those). doc_mask: attention stays inside the
-        documents of idx (document_mask); mask: one document_mask made already, instead; cache: a KVCache."""
+        """idx (B, T) int64 -> final hidden states (B, T, C), what lm_head turns into logits (a scorer that needs a
+        few positions only, eval.py, applies lm_head to those). doc_mask: attention stays inside the documents of
+        idx (document_mask); mask: one document_mask made already, instead; cache: a KVCache (generation)."""
         B, T = idx.shape
-        start = len(cache) if cache is not None else 0  # positions before idx's
-        if start + T > self.config.block_size or (start and T > 1):
-            raise ValueError(f"{T} new positions after {start} cached ones: expected at most block_size="
-                             f"{self.config.block_size} in all, and one at a time after the first")
+        start = first_position(cache, T, self.config.block_size)  # of idx: 0, or after the cached positions
+        rope = self.rope_cos[start:start + T], self.rope_sin[start:start + T]
         if mask is None and doc_mask:
             mask = document_mask(idx, self.flex)
-        rope = self.rope_cos[start:start + T], self.rope_sin[start:start + T]
-        h = self.wte(idx)
-        anchors = None
+        h = self.wte(idx)  # H0
+        normed_anchors = None  # {s: N(S_anc) (B, H, T, D)} of every mixed projection s
         if self.anchor_proj is not None:  # Eq. 9: exogenous anchors, computed once from H0, shared by all layers
             H, D = self.config.n_head, self.config.head_dim
             parts = self.anchor_proj(h).view(B, T, -1, H, D).transpose(1, 3).unbind(2)  # each (B, H, T, D)
-            anchors = self.normalize(dict(zip(self.config.mixed, parts)))
+            normed_anchors = self.normalize(dict(zip(self.config.mixed_projections, parts)))
         for i, block in enumerate(self.blocks):
-            args = (h, rope, None if self.drop_anchor else anchors, mask, cache)
-            if self.activation_checkpointing and torch.is_grad_enabled():
-                h, proj = checkpoint(block, *args, use_reentrant=False)  # keeps h, recomputes the block
-            else:
-                h, proj = block(*args)
-            if i == 0 and self.config.anchor == "internal":  # layer 1's projections anchor layers 2..L
-                anchors = self.normalize({s: proj[s] for s in self.config.mixed})
+            given = None if self.drop_anchor else normed_anchors  # §4.5: anchor removal, no λ_{n,1} term anywhere
+            h, proj = checkpointed(block, h, rope, given, mask, cache, when=self.activation_checkpointing)
+            if i == 0 and self.config.anchor == "internal":  # layer 1's projections anchor layers 2..L, their
+                # gradient flowing back to it (not detached: the authors' code)
+                normed_anchors = self.normalize({s: proj[s] for s in self.config.mixed_projections})
         return self.ln_f(h)
 
     def forward(self, idx, targets=None, *, z_loss=0.0, doc_mask=False, mask=None):
-        # idx (B, T) int64 -> logits (B, T, V), None. With targets (B, T): None, the loss: mean cross-entropy over
-        # the targets that are not IGNORE, plus z_loss · mean(logsumexp(logits)²), made chunk by chunk (no logits)
+        # idx (B, T) int64 -> logits (B, T, V), None. With targets (B, T): None, lm_loss(logits, targets, z_loss),
+        # the same loss chunk by chunk without making the logits (chunked_loss, below the banner)
         h = self.features(idx, doc_mask, mask)
         if targets is None:
             return self.lm_head(h), None
@@ -391,7 +347,66 @@ class GPT(nn.Module):
 # Engineering: what makes the model above fit and run fast. None of it changes what the model computes;
 # test_model.py checks each piece against the plain computation.
 
-# ----------------------------------------------------------------------------- attention kernels, document masks
+# ----------------------------------------------------------------------------- the config's checks, a seed's draws
+
+def check_config(c):
+    """A one-line error for a GPTConfig that describes no model of this file (GPTConfig.__post_init__)."""
+    for name in ("block_size", "vocab_size", "n_layer", "n_head", "n_embd"):
+        if getattr(c, name) < 1:
+            raise ValueError(f"GPTConfig.{name}={getattr(c, name)}: expected a positive integer")
+    if c.n_embd % c.n_head:
+        raise ValueError(f"GPTConfig.n_head={c.n_head}: expected a divisor of n_embd={c.n_embd}")
+    if c.head_dim % 2:
+        raise ValueError(f"GPTConfig.n_head={c.n_head}: head dimension n_embd/n_head={c.head_dim} must be even "
+                         f"for RoPE")
+    for name, allowed in (("anchor", ("none", "internal", "exo")), ("granularity", tuple(GRANULARITY_SHAPES))):
+        if getattr(c, name) not in allowed:
+            raise ValueError(f"GPTConfig.{name}={getattr(c, name)!r}: expected one of {', '.join(map(repr, allowed))}")
+    if set(c.mix) - set(PROJECTIONS) or len(set(c.mix)) != len(c.mix):
+        raise ValueError(f"GPTConfig.mix={c.mix!r}: expected distinct letters from 'qkvg'")
+    if "g" in c.mix and not c.gate:
+        raise ValueError(f"GPTConfig.mix={c.mix!r}: mixing 'g' needs gate=True")
+    if c.anchor == "none" and (c.mix or c.anchor_norm or c.dynamic):
+        raise ValueError("GPTConfig.anchor='none': expected mix='', anchor_norm=False and dynamic=False")
+    if c.anchor != "none" and not c.mix:
+        raise ValueError(f"GPTConfig.mix='': anchor={c.anchor!r} expected a subset of 'qkvg'")
+    if c.anchor_frozen and c.anchor != "exo":
+        raise ValueError(f"GPTConfig.anchor_frozen=True: only exogenous anchors (anchor='exo') have a projection to "
+                         f"freeze, not anchor={c.anchor!r}")
+
+
+def known_fields(cls, d, source):
+    """d, a checkpoint's config, once each of its fields is one of cls's (GPTConfig.from_dict). A field it lacks
+    (added after the checkpoint was written) takes its default: a new field's default keeps the old behaviour."""
+    unknown = sorted(set(d) - {f.name for f in fields(cls)})
+    if unknown:
+        raise ValueError(f"{source}: unknown model field(s) {', '.join(unknown)} (written by another "
+                         f"version of model.py?); known: {', '.join(f.name for f in fields(cls))}")
+    return d
+
+
+def replay_construction_draws(model):
+    """The random draws of building each nn.Linear and nn.Embedding of model on the CPU (reset_parameters), made
+    again in order and thrown away: GPT builds on the meta device, which draws nothing, and GPT.init_weights makes
+    these first, so that a seed gives the weights, and leaves the generator, as when GPT built on the CPU."""
+    for m in model.modules():
+        if isinstance(m, nn.Linear):
+            nn.Linear(m.in_features, m.out_features, bias=m.bias is not None, device="cpu")
+        elif isinstance(m, nn.Embedding):
+            nn.Embedding(m.num_embeddings, m.embedding_dim, device="cpu")
+
+
+# ----------------------------------------------------------------------------- activation checkpointing
+
+def checkpointed(fn, *args, when=True):
+    """fn(*args), under torch.utils.checkpoint `when` gradients are taken: only args are kept for backward, which runs
+    fn again. A block (GPT.activation_checkpointing), and the dynamic mix (no (B, H, T, D) product kept per λ)."""
+    if when and torch.is_grad_enabled():
+        return checkpoint(fn, *args, use_reentrant=False)
+    return fn(*args)
+
+
+# ----------------------------------------------------------------------------- attention kernels, masks, the hook
 
 def document_mask(idx, flex=None):
     """Document-causal mask for packed windows idx (B, T): a query sees the keys at or before it in its own
@@ -442,6 +457,14 @@ def attention(q, k, v, mask, causal=True):
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
+def analysis_hook(attn, q, k, g, scales):
+    """attn.inspect(q=, k=, g=, scales=), once per forward, if tools/analyze.py set it (training never does): q, k
+    (B, H, T, D) as they enter attention (mixed, QK-normed, RoPE; k with the cached positions), g the mixed gate
+    logits (B, H, T, D) or None, scales DynamicScale's {λ name: (B, 1, T, 1)} or None."""
+    if attn.inspect is not None:
+        attn.inspect(q=q, k=k, g=g, scales=scales)
+
+
 # ----------------------------------------------------------------------------- the loss, in chunks
 
 LOSS_CHUNK = 2048  # tokens per chunk of lm_head + loss: a chunk's (2048, V) fp32 logits are transient, 0.4 GB
@@ -462,8 +485,9 @@ def chunk_logits(h, weight, targets, chunk):
 
 
 def chunked_loss(h, weight, targets, z_loss, chunk):
-    """The loss of GPT.forward from the final hidden states h (N, C) and lm_head's weight (V, C), chunk by chunk.
-    N counts the kept targets (at least 1, so a batch of only IGNORE gives 0, not NaN), on the device: no sync."""
+    """lm_loss(h · weightᵀ, targets, z_loss), GPT.forward's, from the final hidden states h (N, C) and lm_head's
+    weight (V, C), chunk by chunk. n counts the kept targets (at least 1, so a batch of only IGNORE gives 0, not
+    NaN), on the device: no sync."""
     n = (targets != IGNORE).sum().clamp_min(1)
     if torch.is_grad_enabled():
         return LMHeadLoss.apply(h, weight, targets, z_loss, chunk, n)
@@ -512,15 +536,24 @@ class KVCache:
     def __len__(self):  # positions cached
         return 0 if self.keys[0] is None else self.keys[0].size(2)
 
-    def holds(self, layer):
-        return self.keys[layer] is not None
-
-    def append(self, layer, k, v):
-        """Add the new positions' k, v (B, H, T, D) of a layer; return the layer's keys and values so far."""
-        if self.keys[layer] is not None:
+    def extend(self, layer, k, v):
+        """Add the new positions' k, v (B, H, T, D) of a layer: (its keys and values so far, whether attention is
+        causal: not for one new token after cached ones, which sees every one of them)."""
+        causal = self.keys[layer] is None
+        if not causal:
             k, v = torch.cat((self.keys[layer], k), dim=2), torch.cat((self.values[layer], v), dim=2)
         self.keys[layer], self.values[layer] = k, v
-        return k, v
+        return k, v, causal
+
+
+def first_position(cache, T, block_size):
+    """The position of the first of T new tokens (GPT.features): 0, or after those cache holds. A one-line error for
+    more than block_size positions in all, or more than one new token after cached ones."""
+    start = len(cache) if cache is not None else 0
+    if start + T > block_size or (start and T > 1):
+        raise ValueError(f"{T} new positions after {start} cached ones: expected at most block_size={block_size} "
+                         f"in all, and one at a time after the first")
+    return start
 
 
 @torch.no_grad()

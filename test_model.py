@@ -16,7 +16,7 @@ from engine.configurator import load_config
 from torch.nn.attention.flex_attention import create_block_mask, create_mask
 
 from model import (EOT, GPT, GRANULARITY_SHAPES, GPTConfig, KVCache, compiled, document_mask, flops_per_token,
-                   generate, triton_available)
+                   generate, lm_loss, triton_available)
 from train import ALL_DEFAULTS, MODEL_KEYS
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
@@ -177,9 +177,9 @@ def test_init():
 
 @pytest.mark.parametrize("name,config", VARIANTS, ids=VARIANT_IDS)
 def test_a_model_built_on_the_meta_device_initialises_to_the_same_weights_bit_for_bit(name, config):
-    """GPT.init_weights gives a model built on the meta device (then to_empty) exactly GPT(config)'s parameters and
-    buffers from the same seed, and leaves the generator where GPT(config) leaves it: what train.py's runs, resumes
-    and DDP = FSDP checks rely on."""
+    """A model built on the meta device, then given storage (to_empty) and GPT.init_weights, as train.py does, has
+    exactly GPT(config)'s parameters and buffers from the same seed, and leaves the generator where GPT(config) leaves
+    it: what train.py's runs, resumes and DDP = FSDP checks rely on."""
     torch.manual_seed(3)
     expected, expected_rng = GPT(config), torch.get_rng_state()
     torch.manual_seed(3)
@@ -553,8 +553,9 @@ def test_tiny_model_fits_a_fixed_batch(name, config):
 @pytest.mark.quick
 @pytest.mark.parametrize("chunk", [7, 2048])  # uneven chunks, and one chunk for all 62 tokens
 def test_loss_and_its_gradients_equal_those_of_the_whole_logits(chunk):
-    """The chunked loss, differentiated during the forward pass, against autograd on the whole logits:
-    mean cross-entropy + z_loss · mean(logsumexp²), values and gradients; without gradients, the same value."""
+    """The chunked loss, differentiated during the forward pass, against autograd on the whole logits through
+    model.lm_loss, mean cross-entropy + z_loss · mean(logsumexp²): values and gradients; without gradients, the same
+    value."""
     model = randomize(GPT(variant("dyn_exo")))
     model.loss_chunk = chunk
     idx = tokens(model.config)
@@ -566,7 +567,9 @@ def test_loss_and_its_gradients_equal_those_of_the_whole_logits(chunk):
     model.zero_grad()
     full, _ = model(x)  # the loss written with the whole logits
     lse = torch.logsumexp(full, -1)
-    reference = torch.nn.functional.cross_entropy(full.flatten(0, 1), y.flatten()) + z_loss * (lse ** 2).mean()
+    reference = lm_loss(full.flatten(0, 1), y.flatten(), z_loss)
+    torch.testing.assert_close(reference, torch.nn.functional.cross_entropy(full.flatten(0, 1), y.flatten())
+                               + z_loss * (lse ** 2).mean(), rtol=1e-6, atol=1e-6)  # lm_loss, written out
     torch.testing.assert_close(loss, reference, rtol=1e-6, atol=1e-6)
     (3 * reference).backward()
     for n, p in model.named_parameters():

@@ -99,13 +99,13 @@ def their_checkpoint(m, layout, prefix="", flags=None):
         sd[p + "attn.c_attn.weight"], sd[p + "attn.c_proj.weight"] = bf16(a.c_attn.weight), bf16(a.c_proj.weight)
         sd[p + "attn.q_norm.weight"], sd[p + "attn.k_norm.weight"] = f32(a.q_norm.weight), f32(a.k_norm.weight)
         shape = {"scalar": (), "headwise": (H,), "elementwise": (H, D)}[c.granularity]
-        for s in a.mixed:
+        for s in a.mixed_here:
             sd[p + f"attn.lambda_{s}1"] = f32(a.lam[s + "1"]).reshape(shape)
             sd[p + f"attn.lambda_{s}2"] = f32(a.lam[s + "2"]).reshape(shape)
         if a.dyn is not None:
             sd[p + "attn.dynamic_mixing.fc1.weight"] = bf16(a.dyn.fc1.weight)
             w, bias = junk(2 * len(slots), 16), junk(2 * len(slots))  # outputs q1, q2, k1, k2, v1, v2, g1, g2
-            for n, s in enumerate(a.mixed):
+            for n, s in enumerate(a.mixed_here):
                 j = 2 * slots.index(s)
                 w[j:j + 2], bias[j:j + 2] = a.dyn.fc2.weight[2 * n:2 * n + 2], a.dyn.fc2.bias[2 * n:2 * n + 2]
             sd[p + "attn.dynamic_mixing.fc2.weight"], sd[p + "attn.dynamic_mixing.fc2.bias"] = bf16(w), bf16(bias)
@@ -117,7 +117,7 @@ def their_checkpoint(m, layout, prefix="", flags=None):
                 sd[p + f"attn.{s}_res_norm.weight"] = norm(s, True)
     if c.anchor == "exo":
         w = junk(len(slots) * C, C)
-        for n, s in enumerate(c.mixed):
+        for n, s in enumerate(c.mixed_projections):
             j = slots.index(s) * C
             w[j:j + C] = m.anchor_proj.weight[n * C:(n + 1) * C]
         sd["anchor_proj.weight"] = bf16(w)

@@ -52,7 +52,7 @@ from tqdm import tqdm
 from engine.checkpoint import check_checkpoint, load_model, trained_doc_mask
 from engine.data import val_batches
 from engine.files import atomic_write
-from model import document_mask
+from model import ANCHOR, OWN, document_mask
 from engine.parallel import Runtime
 from engine.runlog import log_path, read_log, val_curve
 
@@ -137,8 +137,8 @@ def pca_dims(sum_x, sum_xx, n, fraction=PCA_VARIANCE):
 
 def lambda_ratios(model):
     """{s: one row per layer, λ1/λ2 flattened, or None for a layer without λ} for every mixed projection."""
-    return {s: [(b.attn.lam[s + "1"] / b.attn.lam[s + "2"]).detach().float().flatten().tolist()
-                if s + "1" in b.attn.lam else None for b in model.blocks] for s in model.config.mixed}
+    return {s: [(b.attn.lam[s + ANCHOR] / b.attn.lam[s + OWN]).detach().float().flatten().tolist()
+                if s + ANCHOR in b.attn.lam else None for b in model.blocks] for s in model.config.mixed_projections}
 
 
 class Recorder:
@@ -152,7 +152,7 @@ class Recorder:
         zeros = lambda *names: {n: torch.zeros((), dtype=f64, device=dev) for n in names}
         self.attn = [zeros("sink", "entropy", *(f"top_{j}" for j in TOP_K), "queries") for _ in range(L)]
         self.gate = [zeros("sigmoid", "closed", "count") for _ in range(L)] if cfg.gate else None
-        self.scale_ratio = torch.zeros(L, len(cfg.mixed), dtype=f64, device=dev)  # Σ s1/s2 over tokens
+        self.scale_ratio = torch.zeros(L, len(cfg.mixed_projections), dtype=f64, device=dev)  # Σ s1/s2 over tokens
         self.scale_tokens = torch.zeros(L, dtype=f64, device=dev)
         S = L + 1
         self.tok_sim = [zeros("cos", "cos2", "pairs") for _ in range(S)]  # per hidden state
@@ -198,7 +198,8 @@ class Recorder:
         if g is not None:
             add_to(self.gate[i], gate_sums(g))
         if scales is not None:  # {λ name: (B, 1, T, 1)}
-            ratio = torch.stack([scales[s + "1"] / scales[s + "2"] for s in self.model.config.mixed]).float()
+            mixed = self.model.config.mixed_projections
+            ratio = torch.stack([scales[s + ANCHOR] / scales[s + OWN] for s in mixed]).float()
             self.scale_ratio[i] += ratio.flatten(1).double().sum(1)
             self.scale_tokens[i] += ratio[0].numel()
 

@@ -137,7 +137,7 @@ def from_authors(ckpt, source):
     """(GPTConfig, our fp32 state dict) of a checkpoint written by the authors' code."""
     sd = {k.removeprefix(COMPILED): v for k, v in ckpt["model"].items()}
     config = their_config(ckpt, sd, source)
-    H, D, C, mix = config.n_head, config.head_dim, config.n_embd, config.mixed
+    H, D, C, mix = config.n_head, config.head_dim, config.n_embd, config.mixed_projections
     slots = PROJECTIONS[:4 if config.gate else 3]  # their anchor_proj blocks and dynamic outputs: always all
     out = {}
     for k, t in sd.items():
@@ -188,8 +188,8 @@ def model_configs():
 def config_file(config):
     """(path, True) for the file of configs/ that builds this model (vocab_size aside), else (path, False)
     for one of the same variant at another size, else (None, False)."""
-    exact = lambda c: {**asdict(c), "mix": c.mixed, "vocab_size": None}
-    variant = lambda c: (c.gate, c.anchor, c.mixed, c.granularity, c.anchor_norm, c.dynamic)
+    exact = lambda c: {**asdict(c), "mix": c.mixed_projections, "vocab_size": None}
+    variant = lambda c: (c.gate, c.anchor, c.mixed_projections, c.granularity, c.anchor_norm, c.dynamic)
     files = model_configs()
     for same, key in ((True, exact), (False, variant)):
         for path, c in files:
