@@ -158,6 +158,7 @@ def write_toy_shards(d):
     """Shards of a learnable toy language in folder d: 40 random 'sentences' of 12 tokens, each opened by token 0,
     drawn at random (test_train's data_dir, byte for byte)."""
     import numpy as np
+
     from engine.data import write_shard
     rng = np.random.default_rng(0)
     sentences = rng.integers(1, TOY_VOCAB, size=(40, 12))

@@ -31,8 +31,8 @@ from engine.checkpoint import check_checkpoint, load_model
 from engine.data import load_encoding
 from engine.files import atomic_write, read_jsonl
 from engine.httpclient import DownloadError, get_json
-from model import generate
 from engine.parallel import Runtime
+from model import generate
 
 # -----------------------------------------------------------------------------
 # The tasks: one small function per task turns a dataset row into (question, choices, gold)

@@ -33,7 +33,7 @@ def muon_update(p, grad, momentum, second_moment, lr, mu, beta2, wd):
     order. momentum (like p) and second_moment (moment_shape's) are its state, updated in place. This is what
     Muon.step does to every matrix (stacked by shape, steps 2 and 3 spread over the ranks under DDP or FSDP), and
     the tests hold every path of it to this function (tests/test_train.py)."""
-    # 1. Nesterov momentum, as an EMA: m <- μ·m + (1-μ)·g, and the update g + μ·(m - g) looks one step further along it
+    # 1. Nesterov momentum, as an EMA: m <- μ·m + (1-μ)·g; the update g + μ·(m - g) looks a step further along it
     momentum.lerp_(grad, 1 - mu)
     update = grad.lerp(momentum, mu)
     # 2. Polar Express: the nearest orthogonal matrix, U Vᵀ of the update's SVD, approximately, in bf16
@@ -41,7 +41,7 @@ def muon_update(p, grad, momentum, second_moment, lr, mu, beta2, wd):
     # 3. NorMuon: each row (or column) divided by the RMS of its history (the second moment, updated in place),
     #    rescaled to the orthogonalised update's norm, then the shape scaling
     normed = normuon(o, second_moment, beta2)
-    # 4. Cautious weight decay and the step: p -= lr·wd·p only where the update moves p towards 0, then p -= lr·update
+    # 4. Cautious weight decay and the step: p -= lr·wd·p only where the update moves p to 0, then p -= lr·update
     p.sub_(lr * wd * (normed * p >= 0) * p)
     p.sub_(lr * normed)
 

@@ -26,7 +26,7 @@ import numpy as np
 from tqdm import tqdm
 
 from engine.data import (MANIFEST, add_to_manifest, build_corpus, check_data, encoder, load_encoding, read_header,
-                  write_shard)
+                         write_shard)
 from engine.files import read_jsonl
 from engine.httpclient import ByteBar, DownloadError, download_file
 

@@ -14,8 +14,8 @@ import torch
 
 from engine.checkpoint import load_model
 from engine.data import load_encoding
-from model import generate
 from engine.parallel import Runtime
+from model import generate
 
 
 def parse_args(argv=None):

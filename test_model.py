@@ -11,12 +11,11 @@ from dataclasses import replace
 
 import pytest
 import torch
-
-from engine.configurator import load_config
 from torch.nn.attention.flex_attention import create_block_mask, create_mask
 
-from model import (EOT, GPT, GRANULARITY_SHAPES, GPTConfig, KVCache, compiled, document_mask, flops_per_token,
-                   generate, lm_loss, triton_available)
+from engine.configurator import load_config
+from model import (EOT, GPT, GRANULARITY_SHAPES, GPTConfig, KVCache, compiled, document_mask, flops_per_token, generate,
+                   lm_loss, triton_available)
 from train import ALL_DEFAULTS, MODEL_KEYS
 
 ROOT = os.path.dirname(os.path.abspath(__file__))

@@ -35,8 +35,9 @@ from engine.files import DamagedError, HashingWriter, atomic_write, check_entry
 GPT2_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?!\S)|\s"""
 
 
-TOKENIZER = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tokenizer", "gpt2.tiktoken")  # shipped: the
-#   ranks of tiktoken's gpt2 (r50k_base), under OpenAI's licence beside it, so that no tool downloads them
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository
+TOKENIZER = os.path.join(ROOT, "tokenizer", "gpt2.tiktoken")  # shipped: the ranks of tiktoken's gpt2 (r50k_base),
+#   under OpenAI's licence beside it, so that no tool downloads them
 
 
 def load_encoding(path=None):

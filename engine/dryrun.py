@@ -27,9 +27,9 @@ import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from engine.data import DataLoader
-from optim import Muon, clip_norm, moment_shape
 from engine.parallel import Runtime, Worker
 from engine.sharding import assign_owners
+from optim import Muon, clip_norm, moment_shape
 
 GiB = 2 ** 30
 GB = 1e9  # a GPU's memory as its maker states it (80 GB)
@@ -127,6 +127,7 @@ def fake_worker(world_size, rank=0):
     if dist.is_initialized():
         raise RuntimeError("dry run: a process group is already initialised in this process")
     import torch.testing._internal.distributed.fake_pg  # noqa: F401  registers the "fake" backend (torch 2.13 has no
+
     # public import for it; FSDP's modules import this one, which a run that never shards has not imported)
     dist.init_process_group("fake", store=dist.HashStore(), rank=rank, world_size=world_size)
     return Worker(rank, world_size, Runtime("cpu", torch.bfloat16), compile=False)

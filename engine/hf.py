@@ -309,6 +309,7 @@ def hub_files(repo, base_url=None, offline=None):
     """{filename: size in bytes, None if not said} of a Hub model repository. GET /api/models/REPO lists the files
     (siblings[].rfilename); blobs=true adds each one's size, so one request per repository tells both."""
     from engine.httpclient import get_json  # here: the trainer reads checkpoints through checkpoint.py and imports no
+
     # network package (data.py)
     url = f"{hub_url(base_url)}/api/models/{repo}"
     info = get_json(url, {"blobs": "true"}, offline or f"copy the folder {os.path.join(HUB_CACHE, repo)} "

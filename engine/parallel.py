@@ -28,10 +28,9 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+import optim
 from engine import sharding
 from model import triton_available
-import optim
-
 
 # ----------------------------------------------------------------------------- where a model runs
 
@@ -213,8 +212,8 @@ def data_parallel(model, worker, bucket_mb=DDP_BUCKET_MB):
 
 def place_model(model, worker, fsdp, storage=None):
     """A model built on the meta device, placed on the worker's device in its three roles: (the model, what evaluates,
-    what trains), in DDP or FSDP. Under FSDP it is sharded in place (sharding.fully_shard_model: each block compiled) and all three
-    are it; otherwise the model is compiled (when the worker compiles) and in DDP (when there are several processes).
+    what trains), in DDP or FSDP. Under FSDP it is sharded in place (sharding.fully_shard_model: each block compiled)
+    and all three are it; otherwise it is compiled (when the worker compiles) and in DDP (with several processes).
     Each process gives storage to what it holds (its shards, or its replica) and initialises it, one whole parameter
     at a time (GPT.init_weights, sharding.write_part): none holds the whole model in host memory. storage: the
     context the tensors are made in instead (the dry run's FakeTensorMode), with no values."""

@@ -27,14 +27,15 @@ import torch
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+import optim
+from engine.files import DamagedError, HashingWriter, atomic_write, check_entry, fsync_dir, verify_zip
+from model import GPTConfig, check_state
+
 # torch's FSDP, DTensor and DCP are imported by the functions here that use them: importing them costs about 1 CPU-s
 # a process (DTensor's shape propagation pulls in sympy; measured on 2 cores, torch 2.13.0), which every run, tool
 # and test that never shards would pay. Until they are imported, no tensor is a DTensor and no module is FSDP's.
 
 
-from engine.files import DamagedError, HashingWriter, atomic_write, check_entry, fsync_dir, verify_zip
-from model import GPTConfig, check_state
-import optim
 
 
 # ----------------------------------------------------------------------------- the model, sharded
@@ -176,7 +177,8 @@ class Exchange(optim.Exchange):
 
     def zeros(self, shape, like):
         """Zeros of shape, sharded by rows over like's ranks (a DTensor), so that DCP reshards them with it."""
-        from torch.distributed.tensor import Shard, zeros as distributed_zeros
+        from torch.distributed.tensor import Shard
+        from torch.distributed.tensor import zeros as distributed_zeros
         return distributed_zeros(shape, device_mesh=like.device_mesh, placements=[Shard(0)])
 
     def local(self, tensors):
@@ -517,8 +519,7 @@ def restore(ckpt, parts):
     """Every part ({name: part}, the model first) from ckpt when either is sharded: a sharded checkpoint (read_state's)
     into any model, sharded or whole (DCP reshards it into what each part holds now), or a whole one into a sharded
     model (torch's distributed state-dict functions; a part's DTensors get their shards)."""
-    from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
-                                                         set_optimizer_state_dict)
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
     model = parts["model"]
     reshard(model)
     optimizers = [name for name, part in parts.items() if _is_optimizers(part)]

@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 import torch
 
-from tools import analyze as an
-from engine.data import write_shard
 from engine.checkpoint import load_model
+from engine.data import write_shard
 from model import EOT, GPT, GPTConfig
+from tools import analyze as an
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository
 TINY = dict(n_layer=2, n_head=2, n_embd=8, block_size=16, vocab_size=64)

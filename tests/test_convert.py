@@ -11,16 +11,16 @@ import urllib.parse
 import pytest
 import torch
 
-from tools import convert
-from engine import httpclient
 import eval as ev
 import train
-from engine.configurator import load_config
+from engine import httpclient
 from engine.checkpoint import load_model
+from engine.configurator import load_config
 from model import GPT, GPTConfig
 from tests.test_eval import small_data
 from tests.test_prepare import server  # noqa: F401  (fixture: the local HTTP server with injected faults)
 from tests.test_train import SMALL, data_dir  # noqa: F401  (fixture: toy token shards)
+from tools import convert
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository
 V = 57601  # the authors' vocabulary

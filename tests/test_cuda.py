@@ -15,18 +15,18 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from tools import bench
 import optim
-from engine import parallel, sharding
 import train
+from engine import parallel, sharding
+from engine.checkpoint import load_checkpoint
+from engine.configurator import read_args
 from model import GPT, KVCache, document_mask, generate
 from test_model import FAMILIES, compiled_graphs, fresh_dynamo, layouts, randomize, tokens, variant  # noqa: F401
 from tests.test_faults import finish, run, start, wait_for_step
-from engine.checkpoint import load_checkpoint
-from engine.configurator import read_args
 from tests.test_fsdp import _sharded_step_worker
 from tests.test_train import (DOCS, SMALL, assert_same_run, check_process_group_and_ddp, doc_data_dir,  # noqa: F401
-                        free_port, one_process_torchrun)
+                              free_port, one_process_torchrun)
+from tools import bench
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
                                 reason="CUDA-only: torch.cuda.is_available() is False on this machine")
@@ -266,7 +266,8 @@ def test_sharded_muon_over_nccl_equals_the_unsharded_step(tmp_path):
 def test_the_dry_runs_peak_against_the_real_steps(capsys):
     """The dry run's peak (train.py --dry_run=True: fake tensors, torch's MemTracker, one process) against
     torch.cuda.max_memory_allocated of the same two optimiser steps run on the GPU (train.build_model, then
-    train.train_step twice; eager bf16, causal attention as the dry run traces it): within a quarter either way. Both are
+    train.train_step twice; eager bf16, causal attention as the dry run traces it): within a quarter either way. Both
+    are
     printed (pytest -s): docs/GPU.md and docs/MEMORY.md wait for them."""
     args = ["configs/dyn_exo.py", "--n_layer=4", "--n_embd=512", "--n_head=8", "--block_size=2048", "--batch_size=4",
             "--total_batch_size=16384", "--doc_mask=False", "--compile=False", "--device=cuda"]  # 2 micro-steps

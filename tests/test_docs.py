@@ -474,14 +474,15 @@ def test_the_reference_names_every_test_file():
 # ----------------------------------------------------------------------------- the repository's layout
 
 FILES = sorted(os.path.relpath(p, ROOT) for pattern in ("*.py", "engine/*.py", "tools/*.py")
-               for p in glob.glob(os.path.join(ROOT, pattern)) if not os.path.basename(p).startswith(("test_", "conftest")))
+               for p in glob.glob(os.path.join(ROOT, pattern))
+               if not os.path.basename(p).startswith(("test_", "conftest")))
 MODULES = [f[:-3].replace("/", ".").removesuffix(".__init__") for f in FILES]  # engine.checkpoint, ...
 
 
 def imports(module):
     """The modules of the repository that a module imports, at the top or inside a function: `import a.b`, `from a
     import b` (b a module of a, or a name of a) and `from a.b import c`, each as its dotted name."""
-    path = os.path.join(ROOT, module.replace(".", "/") + (".py" if module not in ("engine", "tools") else "/__init__.py"))
+    path = os.path.join(ROOT, module.replace(".", "/") + ("/__init__.py" if module in ("engine", "tools") else ".py"))
     found = set()
     for node in ast.walk(ast.parse(open(path).read())):
         if isinstance(node, ast.Import):

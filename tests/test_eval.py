@@ -19,8 +19,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from engine import httpclient
 import eval as ev
+from engine import httpclient
 
 # -----------------------------------------------------------------------------
 # Golden request strings, one test per task (shots=0: context = the question exactly)
@@ -500,7 +500,8 @@ def test_unreachable_server_fails_at_once_with_the_offline_hint(where, closed_ur
     assert ("Connection refused" if where == "refused" else "nonexistent.invalid") in msg
     assert f"copy {tmp_path / 'eval'} from a machine where eval.py ran once" in msg
     assert msg.endswith("(docs/REFERENCE.md, Evaluation: Data, and running offline)")
-    reference = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "REFERENCE.md")).read()
+    reference = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs",
+                                  "REFERENCE.md")).read()
     assert "\n## Evaluation\n" in reference and "\n**Data, and running offline.**" in reference  # what it points at
 
 
@@ -554,9 +555,8 @@ def small_data(data_dir, n_eval=6, n_pool=10):
 
 
 def test_cli_end_to_end(tmp_path, enc, enc_file):
+    from engine.checkpoint import load_model, save_checkpoint
     from model import GPT, GPTConfig
-    from engine.checkpoint import load_model
-    from engine.checkpoint import save_checkpoint
     data_dir = tmp_path / "data"
     small_data(str(data_dir))
     torch.manual_seed(0)
@@ -595,8 +595,8 @@ def test_cli_end_to_end(tmp_path, enc, enc_file):
 
 
 def test_cli_refuses_drop_anchor_without_anchors(tmp_path, enc_file):
-    from model import GPT, GPTConfig
     from engine.checkpoint import save_checkpoint
+    from model import GPT, GPTConfig
     cfg = GPTConfig(n_layer=1, n_head=2, n_embd=16, block_size=32, vocab_size=384)
     ckpt = tmp_path / "base.pt"
     save_checkpoint(str(ckpt), {"model": GPT(cfg).state_dict(), "model_config": dataclasses.asdict(cfg)})
@@ -610,9 +610,9 @@ def test_harness_is_optional_and_its_options_are_checked(tmp_path, monkeypatch, 
     for name in ["lm_eval", *(m for m in sys.modules if m.startswith("lm_eval."))]:
         monkeypatch.setitem(sys.modules, name, None)  # as if lm-eval were not installed: every import of it fails
     ev.harness_class.cache_clear()
-    with pytest.raises(ImportError, match=r"lm-evaluation-harness is not installed \(pip install -r tests/requirements.txt"):
+    with pytest.raises(ImportError, match=r"lm-evaluation-harness is not installed \(pip install -r tests/requ"):
         ev.HarnessLM
-    with pytest.raises(SystemExit, match=r"^eval.py: error: --harness needs lm-evaluation-harness: pip install -r tests/req"):
+    with pytest.raises(SystemExit, match=r"^eval.py: error: --harness needs lm-evaluation-harness: pip install -r tes"):
         ev.main([str(tmp_path / "none.pt"), "--harness", "piqa"])
     ev.harness_class.cache_clear()
     for argv, message in [(["--harness", "piqa", "--tasks", "piqa"], "--tasks: eval.py's own tasks only"),

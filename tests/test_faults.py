@@ -17,11 +17,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tools import analyze
-from engine import parallel
 import train
+from engine import parallel
 from engine.checkpoint import WEIGHTS, load_checkpoint, load_model, save_checkpoint
 from tests.test_train import ROOT, SMALL, assert_same_run, data_dir, read_log  # noqa: F401  (data_dir: a fixture)
+from tools import analyze
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
 ENV = {**{k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")},

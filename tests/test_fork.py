@@ -3,8 +3,8 @@ and run in this process: the changed run, stopped by a SIGTERM at an evaluation 
 as the same changed run unbroken (weights, every resumable part, the log). Beside that, what each recipe promises:
 the recipe key refused on resume, the schedule's branch refused, three named optimiser states, the EMA kept on a
 resume that leaves its key out and sharded under FSDP at 2 processes, the new metric in every evaluation's entry.
-And the page itself: its diffs are today's (`python -m tests.test_fork` takes them again), and each recipe's quick check,
-run on a copy of the repository with the recipe applied, fails exactly the tests that the recipe names."""
+And the page itself: its diffs are today's (`python -m tests.test_fork` takes them again), and each recipe's quick
+check, run on a copy of the repository with the recipe applied, fails exactly the tests that the recipe names."""
 import argparse
 import ast
 import contextlib
@@ -29,7 +29,8 @@ from tests.test_train import SMALL, data_dir, read_log, stopped_at  # noqa: F401
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository
 # the repository's modules, by file: the card's at the root, then the engine's and the tools' (packages)
 FILES = sorted(os.path.relpath(p, ROOT) for pattern in ("*.py", "engine/*.py", "tools/*.py")
-               for p in glob.glob(os.path.join(ROOT, pattern)) if not os.path.basename(p).startswith(("test_", "conftest")))
+               for p in glob.glob(os.path.join(ROOT, pattern))
+               if not os.path.basename(p).startswith(("test_", "conftest")))
 MODULES = [f[:-3].replace("/", ".").removesuffix(".__init__") for f in FILES]
 # one stop at step 3, an evaluation step: the resumed run does the evaluation the stop left (its pending log entry)
 STEPS = ["--max_steps=6", "--eval_interval=3", "--ckpt_interval=3"]

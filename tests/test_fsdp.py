@@ -15,7 +15,6 @@ import shutil
 import sys
 import warnings
 import weakref
-from dataclasses import asdict
 
 import pytest
 import torch
@@ -23,19 +22,18 @@ import torch.distributed as dist
 import torch.distributed.checkpoint  # sharding.py imports it only where it is used
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from engine import checkpoint
-from tools import convert
 import optim
-from engine import parallel, sharding
 import train
+from conftest import made_once, needs, spawn
+from engine import checkpoint, parallel, sharding
 from engine.checkpoint import load_checkpoint, load_model, load_resumable
 from engine.configurator import read_args
-from conftest import made_once, needs, spawn
 from model import GPT, GPTConfig
-from tests.test_faults import TORCHRUN, finish, run, start, wait_for_step, workers
 from test_model import randomize, tokens, variant
-from tests.test_train import (ROOT, SMALL, data_dir, free_port, one_process_torchrun,  # noqa: F401  (data_dir: a fixture)
-                        read_log)
+from tests.test_faults import TORCHRUN, finish, run, start, wait_for_step, workers
+from tests.test_train import (ROOT, SMALL, data_dir, free_port,  # noqa: F401  (data_dir: a fixture)
+                              one_process_torchrun, read_log)
+from tools import convert
 from train import TrainConfig
 
 STEPS = 20
@@ -518,8 +516,8 @@ def test_bench_measures_what_each_rank_holds_and_what_its_collectives_move():
     weights, gradients and optimiser states; DDP all-reduces its gradients once (4 bytes a parameter), FSDP
     reduce-scatters the same bytes, gathers the weights (forward and backward) and Muon all-to-alls."""
     size = ["--n_layer=2", "--n_embd=64", "--n_head=2", "--vocab_size=256", "--block_size=32", "--batch_size=2"]
-    out = ok(run(torchrun(2) + ["-m", "tools.bench", "configs/dyn_exo.py", *size, "--compare=fsdp", "--steps=1", "--rounds=1",
-                                "--warmup=1"]))
+    out = ok(run(torchrun(2) + ["-m", "tools.bench", "configs/dyn_exo.py", *size, "--compare=fsdp", "--steps=1",
+                                "--rounds=1", "--warmup=1"]))
     rows = {line.split()[0]: [float(v) for v in line.split()[1:]] for line in out.splitlines()
             if line.startswith("dyn_exo") and len(line.split()) == 11}  # the per-rank table
     ddp, fsdp = rows["dyn_exo"], rows["dyn_exo+fsdp"]

@@ -14,8 +14,8 @@ import torch
 import eval as ev
 from engine.checkpoint import save_checkpoint
 from model import GPT, IGNORE, GPTConfig
-from tests.test_eval import small_data
 from test_model import randomize
+from tests.test_eval import small_data
 
 if os.environ.get("CI"):
     import lm_eval  # noqa: F401  (CI installs it: a missing harness is a failure there)

@@ -19,17 +19,17 @@ import tempfile
 import pytest
 import torch
 
-from tools import analyze, convert
 import eval as ev
-from engine import hf, httpclient
 import sample
+from engine import hf, httpclient
 from engine.checkpoint import load_model
 from model import GPT, generate
+from test_model import FAMILIES, randomize, variant
 from tests.test_convert import EXO, random_model, their_checkpoint
 from tests.test_eval import small_data
-from test_model import FAMILIES, randomize, variant
 from tests.test_prepare import Handler, server  # noqa: F401  (fixture: the local Hub, GET side)
 from tests.test_train import data_dir  # noqa: F401  (fixture: toy token shards)
+from tools import analyze, convert
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository
 PACKAGES = ("transformers", "safetensors", "huggingface_hub")

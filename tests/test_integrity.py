@@ -11,9 +11,9 @@ import torch
 
 import prepare
 import train
+from conftest import in_process
 from engine import checkpoint, data, sharding
 from engine.checkpoint import load_checkpoint, load_model, load_resumable
-from conftest import in_process
 from engine.files import DamagedError
 from tests.test_data import library  # noqa: F401  (a fixture: a small Python library folder)
 from tests.test_fsdp import FIXTURES, stop_script, stopped  # noqa: F401  (fixtures: the 2-rank ckpt.dcp, made once)

@@ -16,8 +16,8 @@ import time
 
 import pytest
 
-from engine.checkpoint import load_checkpoint
 from conftest import needs
+from engine.checkpoint import load_checkpoint
 from tests.test_faults import LIMIT, args, finish, kill_at_once, start, wait_for_step, workers
 from tests.test_train import assert_same_run, read_log
 

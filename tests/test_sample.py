@@ -5,9 +5,9 @@ import os
 import pytest
 import torch
 
-from tools import convert
 import sample
 from model import GPT, GPTConfig
+from tools import convert
 
 # more rows than the test tokenizer's 291 tokens, as the authors' 57601 rows are more than GPT-2's 50257
 CONFIG = GPTConfig(n_layer=2, n_embd=32, n_head=2, block_size=32, vocab_size=320, gate=True, anchor="exo",

@@ -19,12 +19,12 @@ import time
 
 import pytest
 
-from tools import sweep
-from engine.checkpoint import load_checkpoint
 from conftest import needs
+from engine.checkpoint import load_checkpoint
 from tests.test_faults import ENV, LIMIT, args, environ, kill_at_once, ranks, wait_for_step
 from tests.test_sweep import sweep_args
 from tests.test_train import ROOT, assert_same_run, read_log
+from tools import sweep
 
 # one pytest-xdist worker runs these tests, in order: its one cluster, started once for them all
 pytestmark = pytest.mark.xdist_group("slurm")
@@ -151,7 +151,8 @@ class Cluster:
 
     def submit(self, options, train_args, output):
         """A job of train.sbatch, submitted from the repository as docs/LONG_RUNS.md does; returns its Job."""
-        out = subprocess.run(["sbatch", "--parsable", f"--output={output}", *options, "tools/train.sbatch", *train_args],
+        out = subprocess.run(["sbatch", "--parsable", f"--output={output}", *options, "tools/train.sbatch",
+                              *train_args],
                              cwd=ROOT, env=self.env, capture_output=True, text=True, timeout=60)
         assert out.returncode == 0, out.stderr
         return Job(self, out.stdout.strip(), output)

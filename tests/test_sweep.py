@@ -14,12 +14,12 @@ import numpy as np
 import pytest
 import torch
 
-from tools import sweep
 import train
-from engine.checkpoint import load_checkpoint
 from conftest import in_process
+from engine.checkpoint import load_checkpoint
 from model import GPT, GPTConfig
 from tests.test_train import ROOT, SMALL, assert_same_run, data_dir, read_log  # noqa: F401  (data_dir: a fixture)
+from tools import sweep
 
 GATED = dict(gate=True, anchor="none", mix="", granularity="scalar", anchor_norm=False, dynamic=False)
 DYN = dict(gate=True, anchor="exo", mix="qkvg", granularity="elementwise", anchor_norm=True, dynamic=True)

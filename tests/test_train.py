@@ -24,11 +24,11 @@ from torch.utils.checkpoint import checkpoint
 
 import model
 import optim
-from engine import parallel, runlog, sharding
 import train
+from conftest import in_process, spawn
+from engine import parallel, runlog, sharding
 from engine.checkpoint import load_checkpoint
 from engine.configurator import load_config
-from conftest import in_process, spawn
 from engine.data import write_shard
 from model import EOT, GPT, GPTConfig, flops_per_token
 from optim import Muon, polar_express
@@ -577,9 +577,10 @@ def test_a_cooldown_branched_from_a_longer_run_equals_a_run_of_its_own_length(da
 @pytest.mark.quick
 def test_a_branch_point_is_accepted_exactly_where_both_schedules_agree_before_it(monkeypatch):
     """A branch of another max_steps is accepted from step s of its parent run (schedule_differs finds no step
-    before s: engine/checkpoint.continued_config) exactly where schedule(t) is the same in both for every t < s: shorter and longer branches, warmups, momentum ramps and cooldowns of several
-    lengths, and a cosine schedule (train.lr_multiplier replaced, as docs/FORKING.md's recipe does), which agrees
-    only through the warmup. Holds for any fork's schedule: each expected step is computed from schedule()."""
+    before s: engine/checkpoint.continued_config) exactly where schedule(t) is the same in both for every t < s:
+    shorter and longer branches, warmups, momentum ramps and cooldowns of several lengths, and a cosine schedule
+    (train.lr_multiplier replaced, as docs/FORKING.md's recipe does), which agrees only through the warmup. Holds
+    for any fork's schedule: each expected step is computed from schedule()."""
     def agree(parent, child, s):
         return all(schedule(t, parent) == schedule(t, child) for t in range(s))
 

@@ -52,9 +52,9 @@ from tqdm import tqdm
 from engine.checkpoint import check_checkpoint, load_model, trained_doc_mask
 from engine.data import val_batches
 from engine.files import atomic_write
-from model import ANCHOR, OWN, document_mask
 from engine.parallel import Runtime
 from engine.runlog import log_path, read_log, val_curve
+from model import ANCHOR, OWN, document_mask
 
 TOP_K = (1, 2, 3, 10)  # the top-k attention weights of Figure 4
 GATE_CLOSED = 0.2  # σ(g) below this counts towards gate sparsity (Figure 7b)

@@ -2,14 +2,14 @@
 Turn a checkpoint into a weights-only checkpoint of this code: `model` (fp32 state dict), `model_config`,
 `step` and a `source` note, which eval.py, `train.py --eval_only` and checkpoint.load_model read as they are.
 
-    python -m tools.convert --list Jonnester                                         # the authors' checkpoints on the Hub
-    python -m tools.convert Jonnester/Baseline --out out/authors_baseline/ckpt.pt    # the authors' release
-    python -m tools.convert Jonnester/Baseline/ckpt_step:38146.pt --out ...           # REPO/FILENAME
-    python -m tools.convert path/to/ckpt_step:38146.pt --out ...                     # a local file
-    python -m tools.convert out/ckpt.pt --out out/export/ckpt.pt                     # ours: drop the optimiser state
-    python -m tools.convert out/ckpt.dcp --out out/export/ckpt.pt                    # ours, sharded (train.py --fsdp=True)
-    python -m tools.convert out/ckpt.pt --to_hf out/hf [--push USER/NAME]            # a transformers folder (hf.py)
-    python -m tools.convert out/hf --out out/back/ckpt.pt                            # such a folder, or a Hub repo of one
+    python -m tools.convert --list Jonnester                                   # the authors' checkpoints on the Hub
+    python -m tools.convert Jonnester/Baseline --out out/authors_baseline/ckpt.pt # the authors' release
+    python -m tools.convert Jonnester/Baseline/ckpt_step:38146.pt --out ...    # REPO/FILENAME
+    python -m tools.convert path/to/ckpt_step:38146.pt --out ...               # a local file
+    python -m tools.convert out/ckpt.pt --out out/export/ckpt.pt               # ours: drop the optimiser state
+    python -m tools.convert out/ckpt.dcp --out out/export/ckpt.pt              # ours, sharded (train.py --fsdp=True)
+    python -m tools.convert out/ckpt.pt --to_hf out/hf [--push USER/NAME]      # a transformers folder (hf.py)
+    python -m tools.convert out/hf --out out/back/ckpt.pt                      # such a folder, or a Hub repo of one
 
 The authors' format (their train.py) holds `model` (their state dict: bf16 Linear/Embedding weights,
 keys maybe prefixed `_orig_mod.`) and `model_args` (their ModelConfig). Five versions of their model
@@ -33,14 +33,13 @@ from dataclasses import asdict
 
 import torch
 
-from engine import hf
-from engine.configurator import load_config
-from engine.httpclient import ByteBar, DownloadError, download_file, get_json
-from engine import sharding
+from engine import hf, sharding
 from engine.checkpoint import load_checkpoint, save_checkpoint
+from engine.configurator import load_config
 from engine.data import load_encoding
-from model import GRANULARITY_SHAPES, PROJECTIONS, GPTConfig, check_state
+from engine.httpclient import ByteBar, DownloadError, download_file, get_json
 from engine.runlog import log_path, read_log, val_curve
+from model import GRANULARITY_SHAPES, PROJECTIONS, GPTConfig, check_state
 
 HF_URL = "https://huggingface.co"
 CACHE_DIR = "data/authors"

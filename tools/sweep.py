@@ -38,9 +38,9 @@ from engine.checkpoint import branch_path, checkpoint_path, load_checkpoint
 from engine.configurator import read_args
 from engine.data import find_shards, is_corpus
 from engine.files import atomic_write
-from model import GPTConfig
 from engine.parallel import PREEMPTED
 from engine.runlog import log_path, read_log, val_curve
+from model import GPTConfig
 from train import ALL_DEFAULTS, BRANCH_FREE, MODEL_KEYS, schedule_differs, split_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository
