@@ -347,6 +347,10 @@ def profile_table(runs, env):
               + "".join(f"{v - values[0]:>15.1f}{(v - values[0]) / ref:>8.1%}" for v in values[1:]))
     print(f"\nstep time ratio {' '.join(f'{ms(r) / ref:.4f}' for r in runs)} (profiled), FLOP ratio "
           + " ".join(f"{flops_per_token(r.model, T) / flops_per_token(first.model, T):.4f}" for r in runs))
+    # the same steps' own shares: unlike the ratio, untouched by a load that changes between one model's steps and
+    # the next's
+    print("the parts' share of each model's own step: " + " ".join(
+        f"{r.name} {1 - (ms(r, 'rest') + ms(r, 'optimizers')) / ms(r):.1%}" for r in runs))
     return runs
 
 
