@@ -21,29 +21,35 @@ checkpoint can never run code:
     model_config   GPTConfig as a dict
     step           optimiser steps taken
     config         train.py's whole configuration (absent from converted authors' models)
+    tokenizer      the tokenizer of the data it trained on, data.read_tokenizer's record (its ranks file's name and
+                   sha256, <|endoftext|>'s id, its size, and its ranks unless GPT-2's); None, or absent (written
+                   before tokenizers were recorded): GPT-2's is assumed. The tools take it from here (trained_encoding)
     source         convert.py's note of where the weights came from (weights-only files only)
 and, for resuming, a run's resumable parts, each under its name ("parts" lists them): model, optimizers (each
-optimiser's state by its name), loader, rng, and any a fork registers; pending_log. A run under FSDP writes the
+optimiser's state by its name), loader, rng, and any a fork registers (among them inputs: the sha256 of each file
+the run reads beside its checkpoint, declare_input); pending_log. A run under FSDP writes the
 directory ckpt.dcp instead (sharding.py); a model folder in the Hugging Face format (hf.py) reads as a weights-only
 checkpoint.
 """
 import contextlib
 import errno
+import hashlib
 import os
 import random
 import re
 import shutil
 import sys
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 import numpy as np
 import torch
 
 from engine import hf, sharding
+from engine.data import data_tokenizer, describe_tokenizer, load_encoding, read_tokenizer, same_tokenizer
 from engine.files import DamagedError, atomic_write, verify_zip
 from model import GPT, GPTConfig, check_state
 
-WEIGHTS = ("model", "model_config", "step", "config", "source")  # what a weights-only checkpoint keeps
+WEIGHTS = ("model", "model_config", "step", "config", "tokenizer", "source")  # what a weights-only checkpoint keeps
 # the parts of a checkpoint written before they were listed in it (its optimizers a list: [Muon's, AdamW's])
 EARLIER_PARTS = ("model", "optimizers", "loader", "rng")
 
@@ -73,14 +79,15 @@ def is_branch(path, out_dir):
 
 # ----------------------------------------------------------------------------- the resumable kind
 
-def save_resumable(path, parts, step, config, worker=None, pending_log=None):
+def save_resumable(path, parts, step, config, worker=None, pending_log=None, tokenizer=None):
     """A training run's checkpoint, as this module's docstring lists it: every resumable part (parts: {name: part},
-    the model first) under its name, the step, the run's whole configuration (config: flat) and pending_log. Rank 0
+    the model first) under its name, the step, the run's whole configuration (config: flat), its data's tokenizer
+    (a record) and pending_log. Rank 0
     writes it, atomically: a crash mid-write, or a full disk, leaves the previous one intact; under FSDP it is a
     directory that every rank writes (sharding.save). worker (None: one process): every rank learns whether that
     worked, and a rank's OSError is raised on all of them. Written as a run's ckpt.pt or ckpt.dcp, it removes the
     other kind's there, which is older (a run that switched between DDP and FSDP)."""
-    header = {"model_config": asdict(parts["model"].config), "config": config, "step": step,
+    header = {"model_config": asdict(parts["model"].config), "config": config, "step": step, "tokenizer": tokenizer,
               **({"pending_log": pending_log} if pending_log else {})}
     master, error = worker is None or worker.master, None
     try:
@@ -240,6 +247,35 @@ def continued_keys(ckpt, given, path, defaults, changeable, why, own):
     return saved, {**saved, **{k: defaults[k] for k in own}, **given}
 
 
+def with_data_tokenizer(model_config, data_dir, given, ckpt=None, path=None):
+    """model_config of a run on data_dir's shards, made by the tokenizer its manifest records (data.data_tokenizer),
+    checked before any work, each refusal in one line: a run that continues a checkpoint (ckpt, at path) refuses data
+    of another tokenizer than the one it trained on; a vocabulary without room for every token is refused, and so is
+    an eot_token given otherwise than the tokenizer's. A new run takes the tokenizer's eot_token, the <|endoftext|>
+    its document masks look for. Data that records none (written before tokenizers were recorded, or by hand) keeps
+    the model's (GPT-2's unless given), and its token ids are checked as every shard's are (data.validate_shard)."""
+    tokenizer = data_tokenizer(data_dir) if ckpt is None else check_data_tokenizer(ckpt, data_dir, path)
+    if tokenizer is None:
+        return model_config
+    if tokenizer["n_vocab"] > model_config.vocab_size:
+        raise ValueError(f"vocab_size={model_config.vocab_size}: {data_dir}'s tokenizer is "
+                         f"{describe_tokenizer(tokenizer)}: expected vocab_size >= {tokenizer['n_vocab']}")
+    if given.get("eot_token", tokenizer["eot_token"]) != tokenizer["eot_token"]:
+        raise ValueError(f"eot_token={given['eot_token']}: {data_dir}'s tokenizer is {describe_tokenizer(tokenizer)} "
+                         f"(leave eot_token out: a run takes it from its data)")
+    return model_config if ckpt is not None else replace(model_config, eot_token=tokenizer["eot_token"])
+
+
+def check_data_tokenizer(ckpt, data_dir, path):
+    """data_dir's tokenizer (data.data_tokenizer), if it is the one the checkpoint ckpt (at path) was trained with; a
+    one-line error if not: its model reads those ids, and no other's."""
+    tokenizer = data_tokenizer(data_dir)
+    if not same_tokenizer(ckpt.get("tokenizer"), tokenizer):
+        raise ValueError(f"{data_dir}: its tokenizer is {describe_tokenizer(tokenizer)}, {path} was trained with "
+                         f"{describe_tokenizer(ckpt.get('tokenizer'))}: its model reads that one's data")
+    return tokenizer
+
+
 class RNG:
     """Python's, numpy's, torch's (and CUDA's) random number generators, as a resumable part. Its state: torch's as
     tensors, the rest as JSON's types (a ckpt.dcp keeps those in its state.json)."""
@@ -264,6 +300,92 @@ class RNG:
             torch.cuda.set_rng_state_all([torch.as_tensor(t, dtype=torch.uint8) for t in cuda])
 
 
+class Inputs:
+    """The files a run reads beside its checkpoint (a teacher, an initialisation, a table of a fork's own), as a
+    resumable part: each one's sha256 as the run declared it (declare_input), kept in every checkpoint. A run that
+    continues one (a resume, a branch) refuses, in one line naming it, a file that changed since, as it refuses a
+    recipe key given with another value: its weights would differ from the unbroken run's."""
+
+    def __init__(self):
+        self.sha256 = {}  # {path: sha256 of its bytes, as read when declared}
+
+    def state_dict(self):
+        return {"sha256": dict(self.sha256)}
+
+    def load_state_dict(self, state):
+        saved = state["sha256"]
+        for path in sorted(set(saved) | set(self.sha256)):
+            if saved.get(path) != self.sha256.get(path):
+                then, now = (f"sha256 {d[:12]}..." if d else "not read" for d in (saved.get(path),
+                                                                                   self.sha256.get(path)))
+                raise ValueError(f"input {path}: {then} when the checkpoint was written, {now} now: a run continues "
+                                 f"with the inputs it was saved with")
+
+
+def declare_input(parts, path):
+    """path, a file (or a folder of files) that the run reads beside its checkpoint, declared where build reads it,
+    in one line (`teacher = load_model(declare_input(parts, cfg.teacher))[0]`): its sha256 goes into the resumable
+    part "inputs" (Inputs), and a run that continues the checkpoint refuses a file that changed. Returns path."""
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{path}: no such file (an input this run reads)")
+    digest = hashlib.sha256()
+    files = [path] if os.path.isfile(path) else sorted(os.path.join(root, f) for root, _, fs in os.walk(path)
+                                                       for f in fs)
+    for name in files:  # a folder: each file's path under it, then its bytes
+        digest.update(os.path.relpath(name, path).encode() + b"\0")
+        with open(name, "rb") as f:
+            for block in iter(lambda: f.read(1 << 24), b""):
+                digest.update(block)
+    parts.setdefault("inputs", Inputs()).sha256[str(path)] = digest.hexdigest()
+    return path
+
+
+GENERATORS = (random.Random, np.random.Generator, np.random.RandomState, torch.Generator)  # state of their own
+OWN_CLASSES = ("engine", "model", "optim", "torch")  # modules whose classes' state_dict is known: searched
+
+
+def check_parts(run):
+    """A one-line error for state the run holds that no part of run.parts saves, which a resume would start again,
+    the resumed run then differing from the unbroken one with nothing said: a random generator (the global ones
+    are the part rng's), an object with state_dict() and load_state_dict() that is not a part, a module with
+    trained parameters that the model does not hold. Searched: run's attributes, what they hold, and the modules
+    of every model; not a part of a fork's own class, whose state_dict saves what it holds."""
+    parts = [p for p in run.parts.values() if p is not None]
+    trusted = {id(p) for p in parts if type(p).__module__.split(".")[0] not in OWN_CLASSES}
+    trained = {id(p) for p in run.model.parameters()}
+    seen = {id(run.cfg), id(run.worker), id(torch.default_generator)}
+    stack = [(f"run.{k}", v) for k, v in reversed(vars(run).items())]
+    while stack:
+        where, obj = stack.pop()
+        if id(obj) in seen or id(obj) in trusted or isinstance(obj, (str, bytes, int, float, torch.Tensor, np.ndarray,
+                                                                     torch.optim.Optimizer)) or obj is None:
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, GENERATORS):
+            what = "a random generator"
+        elif isinstance(obj, torch.nn.Module):
+            if any(p.requires_grad and id(p) not in trained for p in obj.parameters()):
+                what = "a module with trained parameters"
+            else:  # what its modules hold beside parameters, buffers and submodules, which no state_dict saves
+                seen.update(id(m) for m in obj.modules())
+                stack += [(f"{where}.{n}.{k}" if n else f"{where}.{k}", v) for n, m in obj.named_modules()
+                          for k, v in vars(m).items() if not k.startswith("_")]
+                continue
+        elif hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict") and all(obj is not p for p in parts):
+            what = "an object with a state_dict"
+        else:
+            if isinstance(obj, dict):
+                stack += [(f"{where}[{k!r}]", v) for k, v in obj.items()]
+            elif isinstance(obj, (list, tuple, set)):
+                stack += [(f"{where}[{i}]", v) for i, v in enumerate(obj)]
+            elif type(obj).__module__.split(".")[0] not in ("torch", "numpy", "builtins") and hasattr(obj, "__dict__"):
+                stack += [(f"{where}.{k}", v) for k, v in vars(obj).items()]
+            continue
+        raise ValueError(f"{where}: {what} that no part of run.parts saves: a resume would start it again (keep it in "
+                         f"a part registered in train.build: docs/FORKING.md)")
+    return run
+
+
 def _remove(path):
     """A checkpoint file, or a ckpt.dcp directory."""
     if os.path.isdir(path):
@@ -274,10 +396,11 @@ def _remove(path):
 
 # ----------------------------------------------------------------------------- the weights-only kind
 
-def save_weights(path, model, config, step, source, master=True):
+def save_weights(path, model, config, step, source, master=True, tokenizer=None):
     """A weights-only checkpoint of a model (WEIGHTS): what eval.py, sample.py, analyze.py and convert.py read. A
     model under FSDP's is streamed from its shards, a tensor at a time (sharding.save_weights)."""
-    header = {"model_config": asdict(model.config), "step": step, "config": config, "source": source}
+    header = {"model_config": asdict(model.config), "step": step, "config": config, "tokenizer": tokenizer,
+              "source": source}
     if sharding.reshard(model):
         sharding.save_weights(path, model, header, master)
     elif master:
@@ -325,6 +448,20 @@ def load_model(path, device="cpu"):
     model = GPT(config)
     model.load_state_dict(ckpt["model"])
     return model.to(device).eval(), ckpt
+
+
+def trained_encoding(ckpt, given=None, source="the checkpoint"):
+    """The tiktoken encoding (data.load_encoding) of the tokenizer a checkpoint's model was trained with, the one it
+    records; for a checkpoint that records none (written before tokenizers were), given (a tool's --tokenizer), or
+    GPT-2's. given, where one is recorded, must be that one: another is refused in one line."""
+    recorded = ckpt.get("tokenizer")
+    if given is None:
+        return load_encoding(recorded)
+    record = read_tokenizer(given)
+    if recorded is not None and not same_tokenizer(recorded, record):
+        raise ValueError(f"--tokenizer {given}: {describe_tokenizer(record)}, but {source} was trained with "
+                         f"{describe_tokenizer(recorded)}, which it records (leave --tokenizer out)")
+    return load_encoding(record)
 
 
 def trained_doc_mask(ckpt):

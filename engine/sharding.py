@@ -613,7 +613,7 @@ def export(src, out, source):
     check_state(GPTConfig.from_dict(state["model_config"], f"{src}: model_config"),
                 {k: torch.empty(shape, device="meta") for k, (shape, _) in shapes.items()}, src)
     header = {"model_config": state["model_config"], "step": state["step"], "config": state["config"],
-              "source": source}
+              "tokenizer": state.get("tokenizer"), "source": source}
     write_streamed(out, header, shapes, lambda mapped: _dcp_load({"model": mapped}, src, alone=True))
     return state
 

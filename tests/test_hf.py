@@ -212,7 +212,7 @@ def test_the_authors_checkpoint_exports_too(tf, tmp_path, enc_file):
     m = random_model(**EXO, granularity="elementwise", anchor_norm=True, dynamic=True)
     src = tmp_path / "ckpt_step:38146.pt"
     torch.save(their_checkpoint(m, "model4", "_orig_mod."), src)
-    card = convert.to_hf(str(src), str(tmp_path / "hf"), sample.load_encoding(str(enc_file)))
+    card = convert.to_hf(str(src), str(tmp_path / "hf"), str(enc_file))
     assert card["tokens"] == 38146 * 262144 and card["step"] == 38146
     idx = torch.randint(0, 57601, (1, 12))
     with torch.no_grad():
