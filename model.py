@@ -230,8 +230,8 @@ class GPTConfig:
 def lm_loss(logits, targets, z_loss=0.0):
     """The training objective, cross-entropy + z-loss (the authors' criterion.py): the mean cross-entropy over the
     targets that are not IGNORE, plus z_loss · the mean of logsumexp(logits)² over them. (N, V) fp32, (N,) -> ()."""
-    lse = torch.logsumexp(logits, dim=-1)
-    return F.cross_entropy(logits, targets, ignore_index=IGNORE) + z_loss * lse[targets != IGNORE].square().mean()
+    lse, kept = torch.logsumexp(logits, dim=-1), targets != IGNORE  # a mask, not a selection: shapes stay static
+    return F.cross_entropy(logits, targets, ignore_index=IGNORE) + z_loss * (lse.square() * kept).sum() / kept.sum()
 
 
 class GPT(nn.Module):

@@ -227,11 +227,11 @@ class Optimizers(dict):
         return {f"{name}_lr": scheduled[f"{name}_lr"] for name in self}
 
     def check_params(self, model, scheduled=()):
-        """Before any step, a one-line error for what would train other than it reads, and fail by itself nowhere:
-        a trained parameter of model in two of these optimisers (updated twice a step) or in none (never updated); a
-        model of model's class inside it (a teacher: trained with it, and saved as its weights); a param group that
-        sets a key the schedule (scheduled: train.schedule's values at any step) writes into every group, which would
-        be overwritten at the first step, where a factor (<key>_scale) keeps what makes the groups differ."""
+        """Before any step, a one-line error for what would train otherwise than the code reads, and fail nowhere by
+        itself: a trained parameter of model in two of these optimisers (updated twice a step) or in none (never
+        updated); a model of model's class inside it (a teacher: trained with it, and saved as its weights); a param
+        group that sets a key the schedule (scheduled: train.schedule's values at a step) writes into every group,
+        which the first step would overwrite, where a factor (<key>_scale) keeps what makes the groups differ."""
         nested = [name for name, m in model.named_modules() if name and type(m) is type(model)]
         if nested:
             raise ValueError(f"model.{nested[0]}: a {type(model).__name__} inside the model, which its optimisers "
@@ -252,8 +252,8 @@ class Optimizers(dict):
         for name, opt in self.items():
             for key in [k.removeprefix(f"{name}_") for k in scheduled if k.startswith(f"{name}_")]:
                 for i, group in enumerate(opt.param_groups):
-                    peak, own = opt.defaults.get(key), group.get(key)
-                    if peak and own is not None and not math.isclose(own, peak * group.get(f"{key}_scale", 1.0)):
+                    peak, own, factor = opt.defaults.get(key), group.get(key), group.get(f"{key}_scale", 1.0)
+                    if peak and own is not None and not any(math.isclose(own, peak * f) for f in (1.0, factor)):
                         raise ValueError(f"optimiser {name!r}, param group {i}: {key}={own:g}, which the schedule "
                                          f"overwrites with {name}_{key} at every step: give the group "
                                          f"{key}_scale={own / peak:g} (a factor of {name}_{key}) instead")

@@ -4,8 +4,11 @@ and one reader that every tool calls for anything it accepts:
 
     save_resumable, load_resumable, restore    train.py's <out_dir>/ckpt.pt: the run, to continue it bit for bit
     continued_config                           the keys of a run that continues one: which it may change
+    with_data_tokenizer                        the tokenizer of a run's data, checked against its model and checkpoint
+    declare_input, check_parts                 a file a run reads, checked on resume; state no part saves, refused
     save_weights, save_checkpoint              a weights-only checkpoint: train.py's keep_every, convert.py's exports
     load_checkpoint, load_model                any checkpoint: ours, FSDP's ckpt.dcp directory, a Hugging Face folder
+    trained_encoding                           the tokenizer a checkpoint's model was trained with, for every tool
 
 load_resumable alone decides what a resume reads (own_checkpoint: ckpt.pt or ckpt.dcp, the later; a branch point;
 for --init_from=auto the newest that verifies), going down into sharding.py once for a ckpt.dcp (read_state).
@@ -384,6 +387,15 @@ def check_parts(run):
         raise ValueError(f"{where}: {what} that no part of run.parts saves: a resume would start it again (keep it in "
                          f"a part registered in train.build: docs/FORKING.md)")
     return run
+
+
+def tensors(state):
+    """The tensors of a nested state dict."""
+    for value in state.values():
+        if isinstance(value, dict):
+            yield from tensors(value)
+        elif torch.is_tensor(value):
+            yield value
 
 
 def _remove(path):

@@ -1,9 +1,10 @@
 """
 The dry run of a launch (train.py --dry_run=True): what each of its N processes would hold on its GPU, traced in one
-process on a CPU. The launch is configured and its model built as train.py does it, then its real step
+process on a CPU. The launch is configured and built as train.py does it (train.build: every part, model and check a
+fork adds there; on the launch's data where it is here, else on a stand-in of its layout), then its real step
 (train.train_step: every micro-step's forward and backward, the clip, every optimiser's step with Muon's exchange)
-runs twice over fake tensors (FakeTensorMode: shapes, no data) and a fake process group of N ranks (its collectives do
-nothing), as rank 0. torch's trackers count what the step holds, by kind (FSDPMemTracker under FSDP, MemTracker
+runs twice, and an evaluation (train.log_entry's) once, over fake tensors (FakeTensorMode: shapes, no data) and a
+fake process group of N ranks (its collectives do nothing), as rank 0. torch's trackers count what the step holds, by kind (FSDPMemTracker under FSDP, MemTracker
 otherwise); this file makes the group and the worker, traces the steps, names the kinds, and judges the peak against
 the GPU's memory. train.py passes itself in (`recipe`): the engine imports nothing above it.
 
@@ -16,7 +17,8 @@ What the emulation leaves out, or changes, and why the margin (HEADROOM) stays:
   - DDP's reducer (it cannot run on fake tensors): its buckets are the gradients themselves (gradient_as_bucket_view),
     which the trace holds; its all-reduce is not traced;
   - bf16 autocast is the CPU's (the same ops run in bf16 as on CUDA for the matmuls; a few elementwise ones may
-    differ).
+    differ);
+  - a value read from a tensor (an evaluation's .item()) is 1.0: there are no values.
 """
 import contextlib
 import copy
@@ -30,9 +32,9 @@ import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from engine.checkpoint import tensors
 from engine.data import write_shard
 from engine.parallel import Runtime, Worker
-from engine.runlog import tensors
 from engine.sharding import assign_owners
 from optim import Muon, clip_norm, moment_shape
 
@@ -200,6 +202,14 @@ def fake_tensors():
     return FakeTensorMode(allow_non_fake_inputs=True)
 
 
+class _NoHook:
+    """The handle of a gradient hook that a frozen parameter does not take (tracker): nothing to remove."""
+
+    @staticmethod
+    def remove():
+        pass
+
+
 class _GlobalPeak:
     """torch's tracker, keeping only the peak of the whole process: its per-module peaks, which the dry run does not
     read, walk every module's stats at every op (O(layers²) a step: 348 s of CPU for the 1B's DDP dry run at 8 ranks,
@@ -222,6 +232,11 @@ def tracker(model, optimizers, sharded, others=()):
     from torch.distributed._tools.fsdp2_mem_tracker import _FSDPRefType
     if not sharded:
         t = type("MemTracker", (_GlobalPeak, MemTracker), {})()
+        # torch's tracker hooks every parameter's gradient, which a frozen one (anchor_frozen's, a teacher's) refuses:
+        # none is hooked, as it has no gradient to count
+        modules = [m for m in (model, *others) if isinstance(m, torch.nn.Module)]
+        t._param_to_grad_hook_handles.update((p, (_NoHook, _NoHook)) for m in modules for p in m.parameters()
+                                             if not p.requires_grad)
         t.track_external(model, *optimizers.values(), *others)
         return t
     first, *rest = optimizers.values()

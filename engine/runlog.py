@@ -13,15 +13,13 @@ A resumed run first drops what came after its checkpoint's step, so the log read
 import json
 import os
 
-import torch
 import torch.distributed as dist
 
-from engine.checkpoint import is_branch
+from engine.checkpoint import is_branch, tensors
 from engine.data import describe_tokenizer
 from engine.files import atomic_write, read_jsonl
 from model import flops_per_token
 from optim import describe_optimizers, state_floats
-
 
 # what the console line says in its own words, with each optimiser's <name>_lr; any other number of an entry (a
 # fork's metric) follows the validation loss, as `name value`
@@ -178,12 +176,3 @@ def disk_plan(path, parts, ckpt_interval, kept=0, keep_every=0, full=0):
             (f"; {full} resumable ckpt_<step>_full{os.path.splitext(path)[1]} (keep_full): {gb(full * resume)} more"
              if full else "") +
             f"; {gb(stat.f_bavail * stat.f_frsize)} free there")
-
-
-def tensors(state):
-    """The tensors of a nested state dict."""
-    for value in state.values():
-        if isinstance(value, dict):
-            yield from tensors(value)
-        elif torch.is_tensor(value):
-            yield value

@@ -70,3 +70,20 @@ def test_errors(ckpt, enc_file, tmp_path, capsys):
     with pytest.raises(SystemExit):
         sample.main([ckpt, "--num_samples", "0"])
     assert os.path.exists(ckpt)
+
+
+def test_the_checkpoints_tokenizer_needs_no_flag_and_another_is_refused(ckpt, enc_file, tmp_path, capsys):
+    """A checkpoint that records its tokenizer (train.py's, of the data it trained on) samples with it, no
+    --tokenizer; the same ranks given are accepted, GPT-2's refused in one line."""
+    from engine.checkpoint import load_checkpoint, save_checkpoint
+    from engine.data import TOKENIZER, read_tokenizer
+    recorded = str(tmp_path / "recorded.pt")
+    save_checkpoint(recorded, {**load_checkpoint(ckpt, ("step",)), "tokenizer": read_tokenizer(enc_file)})
+    args = ["--prompt", "the question", "--num_samples", "1", "--max_new_tokens", "5", "--seed", "5"]
+    assert torch.equal(run(capsys, recorded, *args)[0], run(capsys, ckpt, *args, "--tokenizer", str(enc_file))[0])
+    assert torch.equal(run(capsys, recorded, *args, "--tokenizer", str(enc_file))[0], run(capsys, recorded, *args)[0])
+    with pytest.raises(SystemExit, match=r"^sample.py: error: --tokenizer .*gpt2.tiktoken: gpt2.tiktoken \(50,257 "
+                                         r"tokens, <\|endoftext\|> 50256\), but .*recorded.pt was trained with "
+                                         r"test.tiktoken \(291 tokens, <\|endoftext\|> 290\), which it records "
+                                         r"\(leave --tokenizer out\)$"):
+        sample.main([recorded, "--tokenizer", TOKENIZER])
