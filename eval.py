@@ -27,7 +27,8 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from engine.checkpoint import check_checkpoint, load_model, trained_encoding
+from engine.checkpoint import check_checkpoint, load_model, trained_tokenizer
+from engine.data import load_encoding
 from engine.files import atomic_write, read_jsonl
 from engine.httpclient import DownloadError, get_json
 from engine.parallel import Runtime
@@ -313,7 +314,7 @@ class HarnessModel:
         self.runtime = Runtime.pick(device, dtype)
         self._device = self.runtime.device
         self.model, saved = load_model(ckpt, self.runtime.device)
-        self.enc = trained_encoding(saved, tokenizer, ckpt)
+        self.enc = load_encoding(trained_tokenizer(saved, tokenizer, ckpt))
         check_options(self.model.config, self.enc, ckpt, drop_anchor)
         self.model.drop_anchor = drop_anchor
         self.batch_size = int(batch_size)
@@ -547,7 +548,7 @@ def run_harness(args):
             raise ValueError(f"--include_path {args.include_path}: no such folder")
         writable(args.out)
         saved, config = check_checkpoint(args.ckpt, mmap=True)
-        check_options(config, trained_encoding(saved, args.tokenizer, args.ckpt), args.ckpt, args.drop_anchor)
+        check_options(config, load_encoding(trained_tokenizer(saved, args.tokenizer, args.ckpt)), args.ckpt, args.drop_anchor)
         tasks = TaskManager(include_path=args.include_path)
         unknown = [t for t in args.harness if t not in tasks.all_tasks]
         if unknown:
@@ -601,7 +602,7 @@ def main(argv=None):
     # cheap checks first: checkpoint, its tokenizer, anchor option; then the data of every task; then scoring
     try:
         model, saved = load_model(args.ckpt, device=runtime.device)
-        enc = trained_encoding(saved, args.tokenizer, args.ckpt)
+        enc = load_encoding(trained_tokenizer(saved, args.tokenizer, args.ckpt))
         check_options(model.config, enc, args.ckpt, args.drop_anchor)
         writable(args.out)
     except (ValueError, OSError, ImportError) as e:

@@ -13,7 +13,8 @@ import time
 
 import torch
 
-from engine.checkpoint import load_model, trained_encoding
+from engine.checkpoint import load_model, trained_tokenizer
+from engine.data import load_encoding
 from engine.parallel import Runtime
 from model import generate
 
@@ -47,7 +48,7 @@ def main(argv=None):
     runtime = Runtime.pick(args.device, args.dtype)
     try:  # the checkpoint, then the tokenizer it records
         model, ckpt = load_model(args.ckpt, runtime.device)
-        enc = trained_encoding(ckpt, args.tokenizer, args.ckpt)
+        enc = load_encoding(trained_tokenizer(ckpt, args.tokenizer, args.ckpt))
     except (ValueError, OSError, ImportError) as e:  # ImportError: the Hugging Face format's packages
         raise SystemExit(f"sample.py: error: {e}")
     if enc.n_vocab > model.config.vocab_size:

@@ -8,7 +8,7 @@ and one reader that every tool calls for anything it accepts:
     declare_input, check_parts                 a file a run reads, checked on resume; state no part saves, refused
     save_weights, save_checkpoint              a weights-only checkpoint: train.py's keep_every, convert.py's exports
     load_checkpoint, load_model                any checkpoint: ours, FSDP's ckpt.dcp directory, a Hugging Face folder
-    trained_encoding                           the tokenizer a checkpoint's model was trained with, for every tool
+    trained_tokenizer                          the tokenizer a checkpoint's model was trained with, for every tool
 
 load_resumable alone decides what a resume reads (own_checkpoint: ckpt.pt or ckpt.dcp, the later; a branch point;
 for --init_from=auto the newest that verifies), going down into sharding.py once for a ckpt.dcp (read_state).
@@ -26,7 +26,7 @@ checkpoint can never run code:
     config         train.py's whole configuration (absent from converted authors' models)
     tokenizer      the tokenizer of the data it trained on, data.read_tokenizer's record (its ranks file's name and
                    sha256, <|endoftext|>'s id, its size, and its ranks unless GPT-2's); None, or absent (written
-                   before tokenizers were recorded): GPT-2's is assumed. The tools take it from here (trained_encoding)
+                   before tokenizers were recorded): GPT-2's is assumed. The tools take it from here (trained_tokenizer)
     source         convert.py's note of where the weights came from (weights-only files only)
 and, for resuming, a run's resumable parts, each under its name ("parts" lists them): model, optimizers (each
 optimiser's state by its name), loader, rng, and any a fork registers (among them inputs: the sha256 of each file
@@ -48,7 +48,7 @@ import numpy as np
 import torch
 
 from engine import hf, sharding
-from engine.data import data_tokenizer, describe_tokenizer, load_encoding, read_tokenizer, same_tokenizer
+from engine.data import data_tokenizer, describe_tokenizer, read_tokenizer, same_tokenizer
 from engine.files import DamagedError, atomic_write, verify_zip
 from model import GPT, GPTConfig, check_state
 
@@ -462,18 +462,18 @@ def load_model(path, device="cpu"):
     return model.to(device).eval(), ckpt
 
 
-def trained_encoding(ckpt, given=None, source="the checkpoint"):
-    """The tiktoken encoding (data.load_encoding) of the tokenizer a checkpoint's model was trained with, the one it
-    records; for a checkpoint that records none (written before tokenizers were), given (a tool's --tokenizer), or
-    GPT-2's. given, where one is recorded, must be that one: another is refused in one line."""
+def trained_tokenizer(ckpt, given=None, source="the checkpoint"):
+    """The tokenizer a checkpoint's model was trained with (a record of data.read_tokenizer's, for data.load_encoding),
+    the one it records; for a checkpoint that records none (written before tokenizers were), given (a tool's
+    --tokenizer), or GPT-2's. given, where one is recorded, must be that one: another is refused in one line."""
     recorded = ckpt.get("tokenizer")
     if given is None:
-        return load_encoding(recorded)
+        return recorded or read_tokenizer()
     record = read_tokenizer(given)
     if recorded is not None and not same_tokenizer(recorded, record):
         raise ValueError(f"--tokenizer {given}: {describe_tokenizer(record)}, but {source} was trained with "
                          f"{describe_tokenizer(recorded)}, which it records (leave --tokenizer out)")
-    return load_encoding(record)
+    return record
 
 
 def trained_doc_mask(ckpt):

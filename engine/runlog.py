@@ -139,11 +139,20 @@ class Log:
         self.say(f"data: {cfg.max_steps:,} steps x {cfg.total_batch_size:,} tokens = {planned:,} tokens planned; "
                  f"{cfg.data_dir} has {available:,} usable train tokens: {planned / available:.2f} epochs"
                  + (" (the data repeats)" if planned > available else "")
-                 + f"; its tokenizer: {describe_tokenizer(run.tokenizer)}")
+                 + f"; its tokenizer: {describe_tokenizer(run.tokenizer)}" + unused_rows(run))
         if worker.master:
             kept = (cfg.max_steps // cfg.keep_every - run.step // cfg.keep_every) if cfg.keep_every else 0
             full = sum(s > run.step for s in cfg.keep_full)
             self.say(disk_plan(run.ckpt_path, run.parts, cfg.ckpt_interval, kept, cfg.keep_every, full))
+
+
+def unused_rows(run):
+    """", N of the model's vocab_size=V rows no token of the data's tokenizer uses" where they are more than padding
+    to a multiple of 128 leaves (GPTConfig.vocab_size's, for GPT-2's tokens): a vocabulary sized for another tokenizer;
+    else nothing."""
+    vocab = run.model.config.vocab_size
+    unused = vocab - run.tokenizer["n_vocab"] if run.tokenizer else 0
+    return f", {unused:,} of the model's vocab_size={vocab:,} rows no token of it uses" if unused >= 128 else ""
 
 
 def step_seconds(times, n):

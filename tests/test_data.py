@@ -44,6 +44,14 @@ def test_the_shipped_tokenizer_is_tiktokens_gpt2(offline):
     assert "gpt2.tiktoken" in licence and "Modified MIT License" in licence and "Copyright (c) 2019 OpenAI" in licence
 
 
+def test_a_ranks_file_of_ones_own_is_a_file_like_any_other_for_git():
+    """A fork's ranks file in tokenizer/ is committed as any file (issue 50: `*.tiktoken` was ignored, and a new one
+    needed `git add -f`); the shipped ones are tracked."""
+    assert subprocess.run(["git", "check-ignore", "-q", "tokenizer/mine.tiktoken"], cwd=ROOT).returncode == 1
+    tracked = subprocess.run(["git", "ls-files", "tokenizer"], cwd=ROOT, capture_output=True, text=True).stdout.split()
+    assert {"tokenizer/gpt2.tiktoken", "tokenizer/bytes.tiktoken"} <= set(tracked)
+
+
 @pytest.mark.quick
 def test_a_ranks_file_rewritten_in_place_tokenises_with_its_new_contents(enc_file, tmp_path, monkeypatch):
     """Issue 50's "done when": a ranks file is read anew at every load, never through tiktoken's cache keyed by its

@@ -23,6 +23,7 @@ import eval as ev
 import sample
 from engine import hf, httpclient
 from engine.checkpoint import load_model
+from engine.data import TOKENIZER, read_tokenizer
 from model import GPT, generate
 from test_model import FAMILIES, randomize, variant
 from tests.test_convert import EXO, random_model, their_checkpoint
@@ -205,6 +206,14 @@ def test_round_trip_to_a_checkpoint_is_bitwise(tmp_path, enc_file, capsys):
                orig["model"].items())
     assert (back["model_config"], back["step"], back["config"]) == (orig["model_config"], 9, orig["config"])
     assert "Dynamic E-ExoFormer" in capsys.readouterr().out
+    # the folder records the tokenizer its tokenizer.json holds (the one given, for a checkpoint that records none),
+    # and a checkpoint that records one exports it with no --tokenizer, another refused in one line
+    assert back["tokenizer"] == read_tokenizer(enc_file)
+    convert.main([str(tmp_path / "back.pt"), "--to_hf", str(tmp_path / "hf2")])
+    assert hf.read_folder(str(tmp_path / "hf2"))["tokenizer"] == read_tokenizer(enc_file)
+    with pytest.raises(SystemExit, match=r"^convert.py: error: --tokenizer .*gpt2.tiktoken: .*, but .*back.pt was "
+                                         r"trained with test.tiktoken"):
+        convert.main([str(tmp_path / "back.pt"), "--to_hf", str(tmp_path / "hf3"), "--tokenizer", TOKENIZER])
 
 
 @needs_hf

@@ -29,8 +29,8 @@ import model
 import optim
 import train
 from conftest import in_process, spawn
-from engine import checkpoint, data, parallel, runlog, sharding
-from engine.checkpoint import load_checkpoint
+from engine import data, parallel, runlog, sharding
+from engine.checkpoint import check_parts, load_checkpoint
 from engine.configurator import load_config
 from engine.data import write_shard
 from model import EOT, GPT, GPTConfig, flops_per_token
@@ -500,7 +500,7 @@ def test_state_that_no_part_saves_is_refused():
     parts = {"model": model, "loader": None, "rng": train.RNG(), "shuffle": Shuffle()}
     run = lambda **held: types.SimpleNamespace(cfg=TrainConfig(), worker=None, model=model, eval_model=model,
                                                parts=parts, **held)
-    checkpoint.check_parts(run(teacher=every_kind_of_parameter().requires_grad_(False)))
+    check_parts(run(teacher=every_kind_of_parameter().requires_grad_(False)))
     for held, where, what in [({"noise": torch.Generator()}, "run.noise", "a random generator"),
                               ({"table": Shuffle()}, "run.table", "an object with a state_dict"),
                               ({"probe": torch.nn.Linear(2, 2)}, "run.probe", "a module with trained parameters"),
@@ -508,10 +508,10 @@ def test_state_that_no_part_saves_is_refused():
                                "a random generator")]:
         with pytest.raises(ValueError, match=rf"^{where}: {what} that no part of run.parts saves: a resume would "
                                              rf"start it again \(keep it in a part registered in train.build"):
-            checkpoint.check_parts(run(**held))
+            check_parts(run(**held))
     model.blocks[1].attn.rng = np.random.default_rng(0)
     with pytest.raises(ValueError, match=r"^run.model.blocks.1.attn.rng: a random generator"):
-        checkpoint.check_parts(run())
+        check_parts(run())
 
 
 def test_a_check_added_to_build_fails_the_dry_run_as_it_fails_the_launch(data_dir, tmp_path, monkeypatch, capsys):
@@ -828,7 +828,10 @@ def test_the_tokenizer_comes_from_the_data_and_goes_into_every_checkpoint(record
     recorded = data.read_tokenizer(enc_file)
     ckpt = load_checkpoint(f"{out}/ckpt.pt")
     assert ckpt["tokenizer"] == recorded and ckpt["model_config"]["eot_token"] == 290
-    assert "its tokenizer: test.tiktoken (291 tokens, <|endoftext|> 290)" in stdout
+    assert "its tokenizer: test.tiktoken (291 tokens, <|endoftext|> 290)\n" in stdout  # 320 rows: padding only
+    sized_for_gpt2 = types.SimpleNamespace(model=GPT(GPTConfig(**{**ckpt["model_config"], "vocab_size": EOT + 48})),
+                                           tokenizer=recorded)  # the default vocab_size, on this data: said
+    assert runlog.unused_rows(sized_for_gpt2) == ", 50,013 of the model's vocab_size=50,304 rows no token of it uses"
     for given, line in [(["--vocab_size=256"], f"vocab_size=256: {recorded_data}'s tokenizer is test.tiktoken (291 "
                                                 f"tokens, <|endoftext|> 290): expected vocab_size >= 291"),
                         (["--vocab_size=320", "--eot_token=5"], f"eot_token=5: {recorded_data}'s tokenizer is "

@@ -34,8 +34,9 @@ from dataclasses import asdict
 import torch
 
 from engine import hf, sharding
-from engine.checkpoint import load_checkpoint, save_checkpoint, trained_encoding
+from engine.checkpoint import load_checkpoint, save_checkpoint, trained_tokenizer
 from engine.configurator import load_config
+from engine.data import load_encoding
 from engine.httpclient import ByteBar, DownloadError, download_file, get_json
 from engine.runlog import log_path, read_log, val_curve
 from model import GRANULARITY_SHAPES, PROJECTIONS, GPTConfig, check_state
@@ -394,7 +395,7 @@ def final_val_loss(path, step):
 
 def to_hf(src, folder, tokenizer=None, push=None, token=None, cache_dir=CACHE_DIR, base_url=HF_URL):
     """Write the Hugging Face model folder of SRC (hf.export) with the tokenizer it records (checkpoint.
-    trained_encoding: tokenizer, a ranks file, must be that one; for one that records none, tokenizer or GPT-2's);
+    trained_tokenizer: tokenizer, a ranks file, must be that one; for one that records none, tokenizer or GPT-2's);
     with push, then upload it to that Hub repository with token (hf.push). Returns the model card's facts."""
     hf.check_target(folder)  # before the checkpoint is read
     result, info = source(src, cache_dir, base_url)
@@ -406,7 +407,8 @@ def to_hf(src, folder, tokenizer=None, push=None, token=None, cache_dir=CACHE_DI
                                 else None)
     card = {"repo": push or folder, "params": info["params"], "step": step, "tokens": tokens,
             "val_loss": final_val_loss(path, step), "source": result["source"]}
-    hf.export(result, folder, trained_encoding(result, tokenizer, src), card)
+    tokenizer = trained_tokenizer(result, tokenizer, src)  # the folder records the one its tokenizer.json holds
+    hf.export({**result, "tokenizer": tokenizer}, folder, load_encoding(tokenizer), card)
     print(f"wrote {folder}: {', '.join(sorted(os.listdir(folder)))}")
     if push:
         print(f"pushed {folder} to {push}: {hf.push(folder, push, token, base_url)}")
