@@ -548,7 +548,8 @@ def run_harness(args):
             raise ValueError(f"--include_path {args.include_path}: no such folder")
         writable(args.out)
         saved, config = check_checkpoint(args.ckpt, mmap=True)
-        check_options(config, load_encoding(trained_tokenizer(saved, args.tokenizer, args.ckpt)), args.ckpt, args.drop_anchor)
+        enc = load_encoding(trained_tokenizer(saved, args.tokenizer, args.ckpt))
+        check_options(config, enc, args.ckpt, args.drop_anchor)
         tasks = TaskManager(include_path=args.include_path)
         unknown = [t for t in args.harness if t not in tasks.all_tasks]
         if unknown:

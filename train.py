@@ -44,7 +44,7 @@ class TrainConfig:
     """train.py's keys, one per line, its meaning in the comment (`python train.py --help` prints them). The model
     keys are GPTConfig's fields (set them with a configs/ file); their meanings are model.py's."""
     # I/O
-    data_dir: str = "data/finewebedu10B"  # prepare.py's shards; a folder named stdlib is built when missing
+    data_dir: str = "data/finewebedu10B"  # prepare.py's shards; a folder named stdlib (or stdlib_*) is built if missing
     verify_data: bool = False  # also check every shard's sha256 against its manifest at start (sizes: always)
     out_dir: str = "out"  # ckpt.pt and log.jsonl
     init_from: str = "scratch"  # 'scratch', 'resume' (<out_dir>/ckpt.pt), 'auto' (resume if there is one), or a
@@ -333,10 +333,10 @@ def main(argv):
         try:
             given = read_args(argv, ALL_DEFAULTS)
             cfg = TrainConfig(**{k: v for k, v in given.items() if k in DEFAULTS})
-            if cfg.dry_run:  # the launch traced in one process, on fake tensors; no corpus is read (engine/dryrun.py)
+            if cfg.dry_run:  # the launch traced in one process, on fake tensors; no corpus is built (engine/dryrun.py)
                 fits = dryrun.launch(sys.modules[__name__], given, cfg)
                 return None if fits else sys.exit("train.py: dry run: the launch would not fit, or would fail (above)")
-            ensure_corpus(cfg.data_dir)  # the built-in corpus (a data_dir named stdlib), before any thread or GPU
+            ensure_corpus(cfg.data_dir)  # the built-in corpus (a data_dir named stdlib...), before any thread or GPU
             worker = parallel.join(cfg)
         except (ValueError, OSError) as e:
             sys.exit(f"train.py: error: {e}")

@@ -85,11 +85,10 @@ def is_branch(path, out_dir):
 def save_resumable(path, parts, step, config, worker=None, pending_log=None, tokenizer=None):
     """A training run's checkpoint, as this module's docstring lists it: every resumable part (parts: {name: part},
     the model first) under its name, the step, the run's whole configuration (config: flat), its data's tokenizer
-    (a record) and pending_log. Rank 0
-    writes it, atomically: a crash mid-write, or a full disk, leaves the previous one intact; under FSDP it is a
-    directory that every rank writes (sharding.save). worker (None: one process): every rank learns whether that
-    worked, and a rank's OSError is raised on all of them. Written as a run's ckpt.pt or ckpt.dcp, it removes the
-    other kind's there, which is older (a run that switched between DDP and FSDP)."""
+    (a record) and pending_log. Rank 0 writes it, atomically: a crash mid-write, or a full disk, leaves the previous
+    one intact; under FSDP it is a directory that every rank writes (sharding.save). worker (None: one process):
+    every rank learns whether that worked, and a rank's OSError is raised on all of them. Written as a run's ckpt.pt
+    or ckpt.dcp, it removes the other kind's there, which is older (a run that switched between DDP and FSDP)."""
     header = {"model_config": asdict(parts["model"].config), "config": config, "step": step, "tokenizer": tokenizer,
               **({"pending_log": pending_log} if pending_log else {})}
     master, error = worker is None or worker.master, None
@@ -316,13 +315,12 @@ class Inputs:
         return {"sha256": dict(self.sha256)}
 
     def load_state_dict(self, state):
-        saved = state["sha256"]
+        saved, said = state["sha256"], lambda digest: f"sha256 {digest[:12]}..." if digest else "not declared"
         for path in sorted(set(saved) | set(self.sha256)):
             if saved.get(path) != self.sha256.get(path):
-                then, now = (f"sha256 {d[:12]}..." if d else "not read" for d in (saved.get(path),
-                                                                                   self.sha256.get(path)))
-                raise ValueError(f"input {path}: {then} when the checkpoint was written, {now} now: a run continues "
-                                 f"with the inputs it was saved with")
+                raise ValueError(f"input {path}: {said(saved.get(path))} when the checkpoint was written, "
+                                 f"{said(self.sha256.get(path))} now: a run continues with the inputs it was saved "
+                                 f"with")
 
 
 def declare_input(parts, path):
@@ -343,7 +341,7 @@ def declare_input(parts, path):
     return path
 
 
-GENERATORS = (random.Random, np.random.Generator, np.random.RandomState, torch.Generator)  # state of their own
+GENERATORS = (random.Random, np.random.Generator, np.random.RandomState, torch.Generator)  # each a state of its own
 OWN_CLASSES = ("engine", "model", "optim", "torch")  # modules whose classes' state_dict is known: searched
 
 

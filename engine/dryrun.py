@@ -4,9 +4,10 @@ process on a CPU. The launch is configured and built as train.py does it (train.
 fork adds there; on the launch's data where it is here, else on a stand-in of its layout), then its real step
 (train.train_step: every micro-step's forward and backward, the clip, every optimiser's step with Muon's exchange)
 runs twice, and an evaluation (train.log_entry's) once, over fake tensors (FakeTensorMode: shapes, no data) and a
-fake process group of N ranks (its collectives do nothing), as rank 0. torch's trackers count what the step holds, by kind (FSDPMemTracker under FSDP, MemTracker
-otherwise); this file makes the group and the worker, traces the steps, names the kinds, and judges the peak against
-the GPU's memory. train.py passes itself in (`recipe`): the engine imports nothing above it.
+fake process group of N ranks (its collectives do nothing), as rank 0. torch's trackers count what the step holds,
+by kind (FSDPMemTracker under FSDP, MemTracker otherwise); this file makes the group and the worker, traces the steps,
+names the kinds, and judges the peak against the GPU's memory. train.py passes itself in (`recipe`): the engine
+imports nothing above it.
 
 What the emulation leaves out, or changes, and why the margin (HEADROOM) stays:
   - the CUDA context, NCCL's buffers, kernels' workspaces (cuBLAS, FlexAttention) and the caching allocator's
@@ -32,7 +33,7 @@ import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from engine.checkpoint import tensors
+from engine.checkpoint import OWN_CLASSES, tensors
 from engine.data import write_shard
 from engine.parallel import Runtime, Worker
 from engine.sharding import assign_owners
@@ -102,8 +103,8 @@ def launch(recipe, given, cfg):
 @contextlib.contextmanager
 def stand_in_data(cfg, block_size, world, say):
     """The data folder the dry run's build reads: the launch's, when it is here; else, said in one line, a stand-in
-    of its layout in a temporary folder (a train shard of one step's windows, a val shard of one, token 0 only),
-    which the launch's checks pass as they pass the launch's data."""
+    of its layout in a temporary folder (a train and a val shard of one step's tokens, or one global batch's if more,
+    each token 0), which the launch's checks of its data pass as its data would."""
     if os.path.isdir(cfg.data_dir):
         yield cfg.data_dir
         return
@@ -154,8 +155,8 @@ def trace(run, recipe, fake):
 
 
 def held(run):
-    """What the run holds beside its model and optimisers that a GPU would: the modules and tensors of its other
-    attributes (a teacher) and of its parts (an average of the weights), each once."""
+    """What the run holds beside its model and optimisers that a GPU would: its other modules (a teacher), and the
+    tensors of the parts of a fork's own class (an average of the weights), each once."""
     mine = {id(run.model), id(run.eval_model), id(run.train_model), id(run.optimizers)}
     found = {}
     for value in [*vars(run).values(), *run.parts.values()]:
@@ -163,7 +164,7 @@ def held(run):
             continue
         if isinstance(value, torch.nn.Module):
             found[id(value)] = value
-        elif hasattr(value, "state_dict") and not isinstance(value, torch.optim.Optimizer):
+        elif hasattr(value, "state_dict") and type(value).__module__.split(".")[0] not in OWN_CLASSES:  # a fork's
             found.update((id(t), t) for t in tensors(value.state_dict()))
     return list(found.values())
 

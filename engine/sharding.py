@@ -544,9 +544,9 @@ def restore(ckpt, parts):
     for name, part in parts.items():
         if part is model:
             set_model_state_dict(model, saved[name])
-        elif name in optimizers:
-            for o, opt in part.items():
-                set_optimizer_state_dict(model, opt, saved[name][o])
+        elif name in optimizers:  # by name, their groups' factors checked (Optimizers.named)
+            for o, state in part.named(saved[name]).items():
+                set_optimizer_state_dict(model, part[o], state)
         else:
             part.load_state_dict(saved[name])
 

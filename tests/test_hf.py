@@ -29,7 +29,7 @@ from test_model import FAMILIES, randomize, variant
 from tests.test_convert import EXO, random_model, their_checkpoint
 from tests.test_eval import small_data
 from tests.test_prepare import Handler, server  # noqa: F401  (fixture: the local Hub, GET side)
-from tests.test_train import data_dir  # noqa: F401  (fixture: toy token shards)
+from tests.test_train import data_dir, recorded_data  # noqa: F401  (fixtures: toy token shards, and with a tokenizer)
 from tools import analyze, convert
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository
@@ -255,7 +255,8 @@ def test_the_folder_holds_no_pickle_and_loading_unpickles_nothing(tf, tmp_path, 
 
 
 @needs_hf
-def test_every_tool_reads_a_folder_and_a_hub_repository(server, tmp_path, enc_file, capsys, monkeypatch, data_dir):
+def test_every_tool_reads_a_folder_and_a_hub_repository(server, tmp_path, enc_file, capsys, monkeypatch,
+                                                        recorded_data):
     model = tiny("dyn_exo")
     folder = export(model, tmp_path / "hf", enc_file)
     for name in os.listdir(folder):
@@ -277,7 +278,8 @@ def test_every_tool_reads_a_folder_and_a_hub_repository(server, tmp_path, enc_fi
         ev.main([src, "--tokenizer", str(enc_file), "--data_dir", str(tmp_path / "data"), "--limit", "2", "--tasks",
                  "piqa", "--device", "cpu"])
         assert "average" in capsys.readouterr().out
-    res = analyze.main([folder, "--data_dir", data_dir, "--tokens", "64", "--out", str(tmp_path / "analysis")])
+    # the folder records the tokenizer it was exported with: analyze.py reads data that the same one made
+    res = analyze.main([folder, "--data_dir", recorded_data, "--tokens", "64", "--out", str(tmp_path / "analysis")])
     assert res[folder]["variant"] == "Dynamic E-ExoFormer" and res[folder]["doc_mask"] is True
     msg = sample_error(["me/none", *args])
     assert msg.startswith("sample.py: error: me/none: no such local file or folder; as a Hub repository: ") and \

@@ -187,7 +187,7 @@ def timing_table(runs, env):
     print(f"{what}: {env.device}, {first.cfg.dtype or 'auto'} dtype, compile={env.compile}, "
           f"doc_mask={first.cfg.doc_mask}, batch {B} x {T} tokens, "
           f"{first.bench['rounds']} rounds x {first.bench['steps']} steps (+{first.bench['warmup']} warmup)")
-    x, y = synthetic_batch(B, T, first.config.vocab_size, first.bench["doc_len"], env.device)
+    x, y = synthetic_batch(B, T, first.config.vocab_size, first.bench["doc_len"], env.device, first.config.eot_token)
     for row in runs:  # built one after another: peak memory is per model
         base = peak_memory_reset(env.device)
         build(row, env)
@@ -274,13 +274,13 @@ def rank_table(runs, x, y, env):
               + "".join(f"{counted.bytes[k] / 1e6:>15.3f}" for k in kinds))
 
 
-def synthetic_batch(B, T, vocab_size, doc_len, device):
-    """Random tokens (B, T) and their targets, with an <|endoftext|> opening a document every doc_len tokens
-    on average when the vocabulary has it."""
+def synthetic_batch(B, T, vocab_size, doc_len, device, eot=EOT):
+    """Random tokens (B, T) and their targets, with an <|endoftext|> (eot: the model's eot_token) opening a document
+    every doc_len tokens on average when the vocabulary has it."""
     g = torch.Generator().manual_seed(0)
-    data = torch.randint(0, min(vocab_size, EOT), (B, T + 1), generator=g)
-    if vocab_size > EOT:
-        data[torch.rand(B, T + 1, generator=g) < 1 / doc_len] = EOT
+    data = torch.randint(0, min(vocab_size, eot), (B, T + 1), generator=g)
+    if vocab_size > eot:
+        data[torch.rand(B, T + 1, generator=g) < 1 / doc_len] = eot
     return data[:, :-1].to(device), data[:, 1:].to(device)
 
 
@@ -330,7 +330,7 @@ def memory_table(runs, env):
     optimiser states and the loss's transient logits."""
     first = runs[0]
     T = first.config.block_size
-    x, y = synthetic_batch(1, T, first.config.vocab_size, first.bench["doc_len"], env.device)
+    x, y = synthetic_batch(1, T, first.config.vocab_size, first.bench["doc_len"], env.device, first.config.eot_token)
     print(f"activation memory of one sequence of {T} tokens: {env.device}, {first.cfg.dtype or 'auto'} dtype, eager")
     print(f"\n{'config':<36}{'params':>14}{'per layer':>12}{'fixed':>10}{'GiB/seq':>9}"
           f"{'B @ 40GB':>10}{'B @ 80GB':>10}{'B @ 141GB':>11}")
