@@ -1,5 +1,5 @@
-"""Data on disk: the GPT-2 tokenizer, the binary shard format, the readers the trainer uses, and the built-in corpus
-(this Python's standard library as shards). Nothing here touches the network (httpclient.py does), so the trainer
+"""Data on disk: the tokenizer (GPT-2's, or another ranks file's) and its record, the binary shard format, the readers
+the trainer uses, and the built-in corpus (this Python's standard library as shards). Nothing here touches the network (httpclient.py does), so the trainer
 imports no network package.
 
 Shard format (llm.c / modded-nanogpt): a header of 256 little-endian int32 words (magic 20240520,
@@ -7,8 +7,10 @@ version 1, token count, then zeros), followed by the tokens as little-endian uin
 ntok tokens is therefore exactly 1024 + 2*ntok bytes; anything else is a truncated or foreign file.
 
 A data folder's manifest.json lists the shards written into it (prepare.py's, the built-in corpus's, and downloads
-with the sha256 the Hub published for them): each one's size and sha256, hashed as it was written. train.py checks
-the sizes at every start and the hashes with verify_data=True; prepare.py --verify checks both (check_data).
+with the sha256 the Hub published for them): each one's size and sha256, hashed as it was written, and the tokenizer
+that made them (read_tokenizer's record; a folder holds one tokenizer's shards). train.py checks the sizes at every
+start and the hashes with verify_data=True; prepare.py --verify checks both (check_data); train.py takes the
+tokenizer from there (data_tokenizer).
 """
 import ast
 import base64
