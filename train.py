@@ -291,7 +291,7 @@ def build(cfg, model_config, worker):
     """The data readers (every shard checked now, the val shard too), the model (seeded), its optimisers, and the
     resumable parts: what a checkpoint saves, by name (a fork's own part is registered here)."""
     T, V, rank, world = model_config.block_size, model_config.vocab_size, worker.rank, worker.world_size
-    check_data(cfg.data_dir, hashes=cfg.verify_data, say=worker.say)  # against its manifest: sizes; sha256 if asked
+    check_data(cfg.data_dir, cfg.verify_data, worker.say, worker)  # its manifest's sizes; sha256s if asked, shared
     accum = cfg.total_batch_size // (cfg.batch_size * T * world)  # micro-steps per step (check: a whole number)
     # a step's window of total_batch_size tokens, split into micro-steps: the same tokens at any mix of processes
     loader = None if cfg.eval_only else DataLoader(cfg.data_dir, accum * cfg.batch_size, T, rank, world, V)
@@ -374,7 +374,7 @@ def start(given, cfg, worker):
 def configure(given, cfg, worker):
     """Everything about the input that can be wrong, checked before any work: the checkpoint to start from, the keys
     and their values. Returns (cfg, model_config, the checkpoint, its path)."""
-    ckpt, path = load_resumable(cfg.out_dir, cfg.init_from, cfg.eval_only, cfg.fsdp)  # either kind: DDP <-> FSDP
+    ckpt, path = load_resumable(cfg.out_dir, cfg.init_from, cfg.eval_only, cfg.fsdp, worker)  # either kind
     if ckpt is None:
         model_config = given_model_config(given)
     else:  # each key left out is the checkpoint's; which keys a resume or a branch may change: engine/checkpoint.py
