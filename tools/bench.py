@@ -25,6 +25,14 @@ as ckpt.pt and as ckpt.dcp, side by side: without checksums, as before the manif
 
     python -m tools.bench configs/dyn_exo.py --checkpoint=/dev/shm
 
+With --resume_ranks=1,2,4 it then launches train.py under torchrun with the row's keys (--data_dir among them), at
+each number of processes, DDP (ckpt.pt) and FSDP (ckpt.dcp), fresh and resumed, and prints what a resume reads (each
+process's /proc/self/io rchar at its first step, summed, less a fresh start's) in units of the checkpoint's bytes,
+and the seconds from the launch to the first step; then what --verify_data=True reads at the most processes:
+
+    python -m tools.bench configs/dyn_exo.py --n_layer=4 --n_embd=128 --n_head=4 --block_size=256 --batch_size=2 \\
+        --total_batch_size=2048 --data_dir=data/stdlib --checkpoint=/dev/shm --resume_ranks=1,2,4
+
 --gpu=True is the check for a CUDA GPU: Gated Attention against Dynamic E-ExoFormer at the paper's 450M shapes,
 with compile and doc_mask each off and on, beside the paper's overhead and the FLOP ratio:
 
@@ -468,8 +476,10 @@ RESUME_KINDS = {"ckpt.pt": [], "ckpt.dcp": ["--fsdp=True"]}
 
 def resume_table(row, folder):
     """--checkpoint with --resume_ranks: of the row's train.py run at each number of processes, under DDP (ckpt.pt)
-    and FSDP (ckpt.dcp), what a resume reads, summed over the processes, in units of S (the checkpoint's bytes), and
-    the seconds from the launch to the first step, fresh and resumed (medians of rounds launches each); then what
+    and FSDP (ckpt.dcp), what a resume reads, summed over the processes, in units of S (the checkpoint's bytes); the
+    seconds from the launch to the first step (of the last process), and the CPU seconds of train.start (configure,
+    build, restore: what reading the checkpoint adds to a start; summed over the processes, which a shared machine's
+    load changes less than the time), fresh and resumed, medians of rounds launches each; then what
     --verify_data=True adds to a fresh start, in units of D (the listed shards' bytes). The row's keys (data_dir among
     them) are train.py's."""
     given = {**asdict(row.cfg), **asdict(row.config)}
@@ -478,10 +488,11 @@ def resume_table(row, folder):
     # the measured start: one validation batch per process (the loss of step 0, which a fresh run evaluates first)
     keys.append(f"--eval_tokens={row.cfg.batch_size * row.config.block_size * max(row.bench['resume_ranks'])}")
     rounds = range(row.bench["rounds"])
-    print(f"\nresuming train.py ({row.name}) from {folder}: bytes read by the processes up to the first step "
-          f"(/proc/self/io rchar, summed), a resume less a fresh start; seconds from the launch to the first step "
-          f"(medians of {len(rounds)})")
-    print(f"{'kind':<10}{'ranks':>6}{'S GB':>8}{'read/S':>8}{'per rank':>9}{'fresh s':>9}{'resume s':>9}")
+    print(f"\nresuming train.py ({row.name}) from {folder}: the bytes its processes read before the first step "
+          f"(/proc/self/io rchar, summed), a resume less a fresh start; seconds, fresh and resumed, medians of "
+          f"{len(rounds)}")
+    print(f"{'kind':<10}{'ranks':>6}{'S GB':>8}{'read/S':>8}{'per rank':>9}   to the first step   "
+          f"train.start CPU-s")
     result = {}
     with tempfile.TemporaryDirectory(dir=folder) as work:
         for kind, extra in RESUME_KINDS.items():
@@ -493,32 +504,33 @@ def resume_table(row, folder):
                 size = tree_bytes(os.path.join(out, kind))
                 resumed = [launch(n, keys + extra + [f"--out_dir={out}", "--max_steps=2", "--init_from=auto"], work)
                            for _ in rounds]
-                result[row.name, kind, n] = median_launch(resumed, fresh, size)
-                print(f"{kind:<10}{n:>6}{size / 1e9:>8.3f}{result[row.name, kind, n]['read']:>8.2f}"
-                      f"{result[row.name, kind, n]['read'] / n:>9.2f}{result[row.name, kind, n]['fresh']:>9.1f}"
-                      f"{result[row.name, kind, n]['resume']:>9.1f}")
+                m = result[row.name, kind, n] = median_launch(resumed, fresh, size)
+                print(f"{kind:<10}{n:>6}{size / 1e9:>8.3f}{m['read']:>8.2f}{m['read'] / n:>9.2f}   "
+                      f"{m['seconds'][0]:>6.1f} -> {m['seconds'][1]:>5.1f}     {m['start'][0]:>6.2f} -> "
+                      f"{m['start'][1]:>5.2f}")
         n = max(row.bench["resume_ranks"])
         listed = sum(e["bytes"] for e in read_manifest(row.cfg.data_dir).values())
         plain, verified = ([launch(n, keys + [f"--out_dir={os.path.join(work, f'data_{v}_{r}')}", "--max_steps=1",
                                               f"--verify_data={v}"], work) for r in rounds] for v in (False, True))
-        data = result[row.name, "verify_data", n] = median_launch(verified, plain, listed)
-        print(f"--verify_data=True at {n} ranks: D = {listed / 1e6:.1f} MB of shards, {data['read']:.2f} D read "
-              f"({data['read'] / n:.2f} D per rank); {data['resume']:.1f} s to the first step, {data['fresh']:.1f} s "
-              f"without")
+        m = result[row.name, "verify_data", n] = median_launch(verified, plain, listed)
+        print(f"--verify_data=True at {n} ranks: D = {listed / 1e6:.1f} MB of shards, {m['read']:.2f} D read "
+              f"({m['read'] / n:.2f} D per rank); seconds to the first step {m['seconds'][0]:.1f} -> "
+              f"{m['seconds'][1]:.1f}, train.start CPU-s {m['start'][0]:.2f} -> {m['start'][1]:.2f}")
     return result
 
 
 def median_launch(measured, baseline, unit):
-    """{"read": the median bytes read by measured's launches less baseline's, in units of unit; "resume" and "fresh":
-    the median seconds to the first step of each}."""
-    read = statistics.median(m["read"] for m in measured) - statistics.median(b["read"] for b in baseline)
-    return dict(read=read / unit, fresh=statistics.median(b["seconds"] for b in baseline),
-                resume=statistics.median(m["seconds"] for m in measured))
+    """{"read": the median bytes read by measured's launches less baseline's, in units of unit; "seconds", "start":
+    (baseline's, measured's) median seconds to the first step, and CPU seconds in train.start}."""
+    median = lambda launches, key: statistics.median(e[key] for e in launches)
+    return dict(read=(median(measured, "read") - median(baseline, "read")) / unit,
+                **{key: (median(baseline, key), median(measured, key)) for key in ("seconds", "start")})
 
 
 def launch(n, keys, work, stop=True):
     """train.py with keys under torchrun at n processes (stop: each exits at its first step): {"read": the bytes
-    its processes had read then, summed; "seconds": from the launch to the last one's first step}."""
+    its processes had read then, summed; "seconds": from the launch to the last one's first step; "start": the CPU
+    seconds of its processes in train.start, summed}."""
     notes = tempfile.mkdtemp(dir=work)
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     t0 = time.time()
@@ -529,25 +541,32 @@ def launch(n, keys, work, stop=True):
     if done.returncode or len(noted) != n:
         raise RuntimeError(f"train.py {' '.join(keys)} at {n} processes: exit status {done.returncode}:\n"
                            f"{done.stderr[-3000:]}")
-    return {"read": sum(e["rchar"] for e in noted), "seconds": max(e["time"] for e in noted) - t0}
+    return {"read": sum(e["rchar"] for e in noted), "seconds": max(e["time"] for e in noted) - t0,
+            "start": sum(e["start"] for e in noted)}
 
 
 def first_step(notes, stop, argv):
-    """train.main(argv), this process's bytes read so far (/proc/self/io rchar) and the time noted at its first step,
-    in notes/<rank>.json; with stop, it exits there."""
-    step = train.train_step
+    """train.main(argv), this process's bytes read so far (/proc/self/io rchar), the time and the CPU seconds (of all
+    its threads) that train.start took noted at its first step, in notes/<rank>.json; with stop, it exits there."""
+    start, step, took = train.start, train.train_step, []
+
+    def timed(*args):
+        t0 = time.process_time()
+        run = start(*args)
+        took.append(time.process_time() - t0)
+        return run
 
     def noted(run, batches):
         with open("/proc/self/io") as f:
             rchar = int(next(line for line in f if line.startswith("rchar:")).split()[1])
         with open(os.path.join(notes, f"{run.worker.rank}.json"), "w") as f:
-            json.dump({"rchar": rchar, "time": time.time()}, f)
+            json.dump({"rchar": rchar, "time": time.time(), "start": took[0]}, f)
         if stop:
             os._exit(0)
         train.train_step = step
         return step(run, batches)
 
-    train.train_step = noted
+    train.start, train.train_step = timed, noted
     return train.main(argv)
 
 
