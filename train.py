@@ -293,7 +293,7 @@ def build(cfg, model_config, worker, storage=None):
     resumable parts: what a checkpoint saves, by name (a fork's own part, and each file it reads, is registered here).
     The dry run builds the launch here too (storage: its fake tensors' mode), a fork's models and checks with it."""
     T, V, rank, world = model_config.block_size, model_config.vocab_size, worker.rank, worker.world_size
-    check_data(cfg.data_dir, hashes=cfg.verify_data, say=worker.say)  # against its manifest: sizes; sha256 if asked
+    check_data(cfg.data_dir, cfg.verify_data, worker.say, worker)  # its manifest's sizes; sha256s if asked, shared
     tokenizer = data_tokenizer(cfg.data_dir)  # what made the shards (configure checked it), for every checkpoint
     accum = cfg.total_batch_size // (cfg.batch_size * T * world)  # micro-steps per step (check: a whole number)
     # a step's window of total_batch_size tokens, split into micro-steps: the same tokens at any mix of processes
@@ -378,7 +378,7 @@ def start(given, cfg, worker):
 def configure(given, cfg, worker):
     """Everything about the input that can be wrong, checked before any work: the checkpoint to start from, the keys
     and their values. Returns (cfg, model_config, the checkpoint, its path)."""
-    ckpt, path = load_resumable(cfg.out_dir, cfg.init_from, cfg.eval_only, cfg.fsdp)  # either kind: DDP <-> FSDP
+    ckpt, path = load_resumable(cfg.out_dir, cfg.init_from, cfg.eval_only, cfg.fsdp, worker)  # either kind
     if ckpt is None:  # each key left out at its default
         model_config = split_config({**ALL_DEFAULTS, **given})[1]
     else:  # each key left out is the checkpoint's; which keys a resume or a branch may change: engine/checkpoint.py

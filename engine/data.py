@@ -1,6 +1,6 @@
 """Data on disk: the tokenizer (GPT-2's, or another ranks file's) and its record, the binary shard format, the readers
-the trainer uses, and the built-in corpus (this Python's standard library as shards). Nothing here touches the network (httpclient.py does), so the trainer
-imports no network package.
+the trainer uses, and the built-in corpus (this Python's standard library as shards). Nothing here touches the network
+(httpclient.py does), so the trainer imports no network package.
 
 Shard format (llm.c / modded-nanogpt): a header of 256 little-endian int32 words (magic 20240520,
 version 1, token count, then zeros), followed by the tokens as little-endian uint16. A shard of
@@ -33,7 +33,7 @@ import tiktoken
 import torch
 from tqdm import tqdm
 
-from engine.files import DamagedError, HashingWriter, atomic_write, check_entry
+from engine.files import DamagedError, HashingWriter, agreed, atomic_write, check_entry, share
 
 GPT2_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?!\S)|\s"""
 
@@ -248,14 +248,24 @@ def check_tokenizer(data_dir, tokenizer, manifest=None, new=()):
     return tokenizer
 
 
-def check_data(data_dir, hashes=False, say=None):
+def check_data(data_dir, hashes=False, say=None, worker=None):
     """The shards of data_dir against its manifest: each one's size, and with hashes its sha256 (a read of every
     byte), a DamagedError naming the first that differs. Returns the shards the manifest does not list (copied in
     by hand: not verifiable); a folder without a manifest (written before manifests) lists them all. say: where a
-    check of the hashes notes those it could not verify (a function of one line; None: no note)."""
-    data_dir, files = str(data_dir), read_manifest(data_dir)
-    for name in sorted(files):
-        check_entry(os.path.join(data_dir, name), files[name], os.path.join(data_dir, MANIFEST), hashes)
+    check of the hashes notes those it could not verify (a function of one line; None: no note). worker (a
+    parallel.Worker; None: one process): the ranks share the hashing, each reading about 1/world_size of the bytes
+    (files.share), and stop together, with the same line (files.agreed)."""
+    return agreed(lambda: _check_data(str(data_dir), hashes, say, worker), worker)
+
+
+def _check_data(data_dir, hashes, say, worker):
+    """check_data on this rank: every size; its share of the hashes."""
+    files = read_manifest(data_dir)
+    names, listing = sorted(files), os.path.join(data_dir, MANIFEST)
+    for name in names:
+        check_entry(os.path.join(data_dir, name), files[name], listing, hashes=False)
+    for i in share([files[name]["bytes"] for name in names], worker) if hashes else ():
+        check_entry(os.path.join(data_dir, names[i]), files[names[i]], listing)
     shards = sorted(os.path.basename(p) for p in glob.glob(os.path.join(glob.escape(data_dir), "*_*_*.bin")))
     unlisted = [name for name in shards if name not in files]
     if unlisted and hashes and say:
