@@ -124,7 +124,7 @@ ALL_DEFAULTS = {**DEFAULTS, **{f.name: f.default for f in fields(GPTConfig)}}
 
 def build_optimizers(model, cfg):
     """The recipe's optimisers, by name (schedule() gives each its <name>_lr): Muon for the weights of the nn.Linear
-    layers inside the network, maps from one hidden vector to another, which its orthogonalised update suits; AdamW
+    layers inside the network (anchor_proj's and the dynamic MLP's too, as the authors' optimizer.py has it); AdamW
     for every other trained parameter (embedding, lm_head, norms, biases, λ, a fork's); a frozen one in neither."""
     muon = muon_params(model)
     adam = [p for p in model.parameters() if id(p) not in set(map(id, muon)) and p.requires_grad]
