@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from engine.checkpoint import check_checkpoint, load_model
+from engine.checkpoint import check_checkpoint, load_model, trained_tokenizer
 from engine.data import load_encoding
 from engine.files import atomic_write, read_jsonl
 from engine.httpclient import DownloadError, get_json
@@ -313,8 +313,8 @@ class HarnessModel:
         super().__init__()  # the harness's LM: rank, world size, cache hook
         self.runtime = Runtime.pick(device, dtype)
         self._device = self.runtime.device
-        self.enc = load_encoding(tokenizer)
-        self.model = load_model(ckpt, self.runtime.device)[0]
+        self.model, saved = load_model(ckpt, self.runtime.device)
+        self.enc = load_encoding(trained_tokenizer(saved, tokenizer, ckpt))
         check_options(self.model.config, self.enc, ckpt, drop_anchor)
         self.model.drop_anchor = drop_anchor
         self.batch_size = int(batch_size)
@@ -493,8 +493,8 @@ def build_parser():
     p.add_argument("--drop_anchor", action="store_true",
                    help="zero every anchor term at inference (the paper's anchor-removal ablation, §4.5)")
     p.add_argument("--out", default=None, help="also write the results to this JSON file")
-    p.add_argument("--tokenizer", default=None, help="a .tiktoken ranks file "
-                                                     "(default: tokenizer/gpt2.tiktoken, GPT-2's)")
+    p.add_argument("--tokenizer", default=None, help="a .tiktoken ranks file: the checkpoint's own, which it records "
+                                                     "(for one that records none: default GPT-2's)")
     return p
 
 
@@ -547,8 +547,9 @@ def run_harness(args):
         if args.include_path is not None and not os.path.isdir(args.include_path):
             raise ValueError(f"--include_path {args.include_path}: no such folder")
         writable(args.out)
-        check_options(check_checkpoint(args.ckpt, mmap=True)[1], load_encoding(args.tokenizer), args.ckpt,
-                      args.drop_anchor)
+        saved, config = check_checkpoint(args.ckpt, mmap=True)
+        enc = load_encoding(trained_tokenizer(saved, args.tokenizer, args.ckpt))
+        check_options(config, enc, args.ckpt, args.drop_anchor)
         tasks = TaskManager(include_path=args.include_path)
         unknown = [t for t in args.harness if t not in tasks.all_tasks]
         if unknown:
@@ -599,10 +600,10 @@ def main(argv=None):
         except (ValueError, OSError) as e:  # run_harness's checks, and a harness that stopped: one line each
             raise SystemExit(f"eval.py: error: {e}")
     runtime = Runtime.pick(args.device, args.dtype)
-    # cheap checks first: tokenizer, checkpoint, anchor option; then the data of every task; then scoring
+    # cheap checks first: checkpoint, its tokenizer, anchor option; then the data of every task; then scoring
     try:
-        enc = load_encoding(args.tokenizer)
-        model, _ = load_model(args.ckpt, device=runtime.device)
+        model, saved = load_model(args.ckpt, device=runtime.device)
+        enc = load_encoding(trained_tokenizer(saved, args.tokenizer, args.ckpt))
         check_options(model.config, enc, args.ckpt, args.drop_anchor)
         writable(args.out)
     except (ValueError, OSError, ImportError) as e:

@@ -48,7 +48,7 @@ DYNAMIC_LAMBDA_INIT = 1.0  # ... and 1.0 when dynamic (§3.6), times its initial
 DYN_HIDDEN = 16  # width of the dynamic-mixing MLP (§3.6)
 INIT_STD = 0.02  # N(0, 0.02) truncated at ±3σ for every Linear and the embedding (the authors' init_std, cutoff 3)
 NORM_EPS = 1e-6  # RMSNorm's eps (the authors' rmsnorm_eps)
-EOT = 50256  # GPT-2's <|endoftext|>: in the packed training windows, each one opens a new document
+EOT = 50256  # GPT-2's <|endoftext|>, GPTConfig.eot_token's default: in packed windows each one opens a new document
 IGNORE = -1  # a target equal to it adds nothing to the loss or its gradient (nanoGPT's ignore_index)
 
 
@@ -182,6 +182,8 @@ class Block(nn.Module):
 class GPTConfig:
     block_size: int = 2048  # sequence length: the model's longest context, and the training windows' (the paper's)
     vocab_size: int = 50304  # GPT-2's 50257 padded to a multiple of 128 (ours: the authors' 57601 is a loader bug)
+    eot_token: int = EOT  # the id of <|endoftext|>, which opens each document of a packed window (document_mask):
+                          # the tokenizer's; train.py takes it from its data's
     n_layer: int = 32  # transformer blocks (L); n_layer, n_head, n_embd: the paper's 450M models (§4.1)
     n_head: int = 16  # attention heads (H); n_embd/H must be even
     n_embd: int = 1024  # model width (C)
@@ -228,8 +230,8 @@ class GPTConfig:
 def lm_loss(logits, targets, z_loss=0.0):
     """The training objective, cross-entropy + z-loss (the authors' criterion.py): the mean cross-entropy over the
     targets that are not IGNORE, plus z_loss · the mean of logsumexp(logits)² over them. (N, V) fp32, (N,) -> ()."""
-    lse = torch.logsumexp(logits, dim=-1)
-    return F.cross_entropy(logits, targets, ignore_index=IGNORE) + z_loss * lse[targets != IGNORE].square().mean()
+    lse, kept = torch.logsumexp(logits, dim=-1), targets != IGNORE  # a mask, not a selection: shapes stay static
+    return F.cross_entropy(logits, targets, ignore_index=IGNORE) + z_loss * (lse.square() * kept).sum() / kept.sum()
 
 
 class GPT(nn.Module):
@@ -319,7 +321,7 @@ class GPT(nn.Module):
         start = first_position(cache, T, self.config.block_size)  # of idx: 0, or after the cached positions
         rope = self.rope_cos[start:start + T], self.rope_sin[start:start + T]
         if mask is None and doc_mask:
-            mask = document_mask(idx, self.flex)
+            mask = document_mask(idx, self.flex, self.config.eot_token)
         h = self.wte(idx)  # H0
         normed_anchors = None  # {s: N(S_anc) (B, H, T, D)} of every mixed projection s
         if self.anchor_proj is not None:  # Eq. 9: exogenous anchors, computed once from H0, shared by all layers
@@ -354,6 +356,8 @@ def check_config(c):
     for name in ("block_size", "vocab_size", "n_layer", "n_head", "n_embd"):
         if getattr(c, name) < 1:
             raise ValueError(f"GPTConfig.{name}={getattr(c, name)}: expected a positive integer")
+    if c.eot_token < 0:  # one the vocabulary lacks (GPT-2's, for another data's model) opens no document
+        raise ValueError(f"GPTConfig.eot_token={c.eot_token}: expected a token id (0 or more)")
     if c.n_embd % c.n_head:
         raise ValueError(f"GPTConfig.n_head={c.n_head}: expected a divisor of n_embd={c.n_embd}")
     if c.head_dim % 2:
@@ -442,13 +446,14 @@ class DynamicMix(torch.autograd.Function):
 
 # ----------------------------------------------------------------------------- attention kernels, masks, the hook
 
-def document_mask(idx, flex=None):
+def document_mask(idx, flex=None, eot=EOT):
     """Document-causal mask for packed windows idx (B, T): a query sees the keys at or before it in its own
-    document, where each EOT opens a new one (the tokens before the first EOT are a document too).
+    document, where each eot (the tokenizer's <|endoftext|>) opens a new one (the tokens before the first are a
+    document too).
     flex (None: on CUDA with Triton) gives a FlexAttention BlockMask, whose kernel skips the blocks that cross
     documents; otherwise a dense bool mask (B, 1, T, T) for SDPA (FlexAttention has no CPU backward)."""
     B, T = idx.shape
-    doc = (idx == EOT).cumsum(-1)  # (B, T): document number of every token
+    doc = (idx == eot).cumsum(-1)  # (B, T): document number of every token
     if (idx.is_cuda and triton_available()) if flex is None else flex:
         # traced with the model when it is compiled; eagerly, the compiled mask build (its device given: the
         # default is the current accelerator, whatever idx's device is)

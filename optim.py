@@ -9,6 +9,7 @@ under FSDP). The tests hold every path of Muon to muon_update. train.py builds t
 (build_optimizers: an Optimizers, which picks Muon's exchange), sets their learning rates and Muon's momentum (its
 schedule), clips the gradients (clip_gradients) and steps them. Nothing here imports from engine/.
 """
+import math
 import sys
 
 import torch
@@ -211,20 +212,31 @@ class Optimizers(dict):
                 raise ValueError(f"optimiser {name!r}: its saved state does not fit ({e})") from None
 
     def set_schedule(self, scheduled):
-        """Each <name>_<key> of train.schedule()'s values into every param group of the optimiser of that name (each
-        needs its <name>_lr: a learning rate the config sets, never one left in a group by a loaded state). Returns
-        the learning rates, <name>_lr, for the log."""
+        """Each <name>_<key> of train.schedule()'s values into every param group of the optimiser of that name, times
+        the group's <key>_scale if it has one (a factor a fork gives a group where it builds them: lr_scale=0.5, half
+        the scheduled rate; check_params refuses a group that sets the key itself). Each optimiser needs its
+        <name>_lr: a learning rate the config sets, never one left in a group by a loaded state. Returns the
+        learning rates, <name>_lr, for the log."""
         for name, opt in self.items():
             if f"{name}_lr" not in scheduled:
                 raise ValueError(f"the schedule has no {name}_lr for the optimiser {name!r}")
             for key in [k for k in scheduled if k.startswith(f"{name}_")]:
+                key = key.removeprefix(f"{name}_")
                 for group in opt.param_groups:
-                    group[key.removeprefix(f"{name}_")] = scheduled[key]
+                    group[key] = scheduled[f"{name}_{key}"] * group.get(f"{key}_scale", 1.0)
         return {f"{name}_lr": scheduled[f"{name}_lr"] for name in self}
 
-    def check_params(self, model):
-        """Each trained parameter of model in exactly one of these optimisers: one in two would be updated twice a
-        step, one in none never, and neither fails by itself. A one-line error naming the first such parameter."""
+    def check_params(self, model, scheduled=()):
+        """Before any step, a one-line error for what would train otherwise than the code reads, and fail nowhere by
+        itself: a trained parameter of model in two of these optimisers (updated twice a step) or in none (never
+        updated); a model of model's class inside it (a teacher: trained with it, and saved as its weights); a param
+        group that sets a key the schedule (scheduled: train.schedule's values at a step) writes into every group,
+        which the first step would overwrite, where a factor (<key>_scale) keeps what makes the groups differ."""
+        nested = [name for name, m in model.named_modules() if name and type(m) is type(model)]
+        if nested:
+            raise ValueError(f"model.{nested[0]}: a {type(model).__name__} inside the model, which its optimisers "
+                             f"would train (unless frozen) and its checkpoints save as its weights: hold it beside the "
+                             f"model (a Run attribute set in train.build)")
         holders = {}
         for name, opt in self.items():
             for p in {id(p): p for g in opt.param_groups for p in g["params"]}.values():
@@ -237,6 +249,14 @@ class Optimizers(dict):
             if not where and p.requires_grad:
                 raise ValueError(f"parameter {pname} is trained but in no optimiser ({', '.join(self)}): each trained "
                                  f"parameter belongs to exactly one (train.build_optimizers)")
+        for name, opt in self.items():
+            for key in [k.removeprefix(f"{name}_") for k in scheduled if k.startswith(f"{name}_")]:
+                for i, group in enumerate(opt.param_groups):
+                    peak, own, factor = opt.defaults.get(key), group.get(key), group.get(f"{key}_scale", 1.0)
+                    if peak and own is not None and not any(math.isclose(own, peak * f) for f in (1.0, factor)):
+                        raise ValueError(f"optimiser {name!r}, param group {i}: {key}={own:g}, which the schedule "
+                                         f"overwrites with {name}_{key} at every step: give the group "
+                                         f"{key}_scale={own / peak:g} (a factor of {name}_{key}) instead")
 
     def named(self, states):
         """Saved states by name, checked against these optimisers' names: a missing, extra or renamed one is a
@@ -256,6 +276,13 @@ class Optimizers(dict):
         if set(states) != set(self):
             raise ValueError(f"optimisers {', '.join(sorted(states))} in the checkpoint, {', '.join(self)} in this "
                              f"run: a run resumes with the optimisers it was saved with")
+        for name, state in states.items():  # the groups' factors (set_schedule), which the recipe gives them
+            for i, (mine, saved) in enumerate(zip(self[name].param_groups, state["param_groups"])):
+                for key in sorted(k for k in {**mine, **saved} if k.endswith("_scale")):
+                    if mine.get(key, 1.0) != saved.get(key, 1.0):
+                        raise ValueError(f"optimiser {name!r}, param group {i}: {key}={saved.get(key, 1.0)!r} in the "
+                                         f"checkpoint, {key}={mine.get(key, 1.0)!r} in this run: a run continues "
+                                         f"with the recipe it was saved with")
         return states
 
 
@@ -266,17 +293,24 @@ def state_floats(optimizer):
     return 1 if isinstance(optimizer, Muon) else 2
 
 
-def describe_optimizers(optimizers, model=None):
-    """One line: how many tensors and parameters each optimiser (of an Optimizers, or a list) updates, and which ones
-    none does (frozen)."""
+def describe_optimizers(optimizers, model=None, never_trained=()):
+    """One line: how many tensors and parameters each optimiser (of an Optimizers, or a list) updates, and which of
+    model's none does, each module once: those of never_trained (parameter names) frozen at their random
+    initialisation, any other not trained here (a fork's, loaded: no gradient)."""
     optimizers = optimizers.values() if isinstance(optimizers, dict) else optimizers
-    def count(opt):
-        params = [p for g in opt.param_groups for p in g["params"]]
-        return f"{type(opt).__name__} {len(params)} tensors ({sum(p.numel() for p in params):,} parameters)"
-    frozen = [(n, p.numel()) for n, p in model.named_parameters() if not p.requires_grad] if model else []
-    return "optimisers: " + ", ".join(count(opt) for opt in optimizers) + "".join(
-        f"; frozen at its random initialisation (no gradient, in no optimiser): {n} ({k:,} parameters)"
-        for n, k in frozen)
+    count = lambda params: f"{len(params)} tensors ({sum(p.numel() for p in params):,} parameters)"
+    params = lambda opt: [p for g in opt.param_groups for p in g["params"]]
+    line = "optimisers: " + ", ".join(f"{type(opt).__name__} {count(params(opt))}" for opt in optimizers)
+    untrained = {}  # (never trained?, the model's child that holds them) -> [(name, parameter)] without gradient
+    for name, p in (model.named_parameters() if model is not None else ()):
+        if not p.requires_grad:
+            untrained.setdefault((name in never_trained, name.split(".")[0]), []).append((name, p))
+    one = lambda named: f"{named[0][0]} ({named[0][1].numel():,} parameters)"  # a child's one tensor, by its name
+    for random_init, what in ((True, "frozen at its random initialisation"), (False, "not trained here")):
+        found = [one(named) if len(named) == 1 else f"{child}: {count([p for _, p in named])}"
+                 for (kind, child), named in untrained.items() if kind == random_init]
+        line += f"; {what} (no gradient, in no optimiser): {', '.join(found)}" if found else ""
+    return line
 
 
 def clip_gradients(model, max_norm):

@@ -6,11 +6,12 @@ or tokenise your own text (.txt, .jsonl, .jsonl.gz) into the same format:
     python prepare.py --tokenize PATH... --data_dir DIR [--name NAME] [--shard_tokens N]
                       [--val_tokens N] [--workers N] [--tokenizer PATH.tiktoken]
 or build the built-in corpus, this Python's standard library (train.py builds it when data_dir=data/stdlib is
-missing), or the same from another Python's library folder:
-    python prepare.py --stdlib [LIBRARY_DIR] [--data_dir data/stdlib] [--workers N]
+missing), or the same from another Python's library folder, or with another tokenizer:
+    python prepare.py --stdlib [LIBRARY_DIR] [--data_dir data/stdlib] [--workers N] [--tokenizer PATH.tiktoken]
 or check a data folder's shards against its manifest.json (every byte read and hashed):
     python prepare.py --verify --data_dir DIR
-Each mode writes the shards' sizes and sha256 into the folder's manifest.json (data.py); a downloaded shard is
+Each mode writes the shards' sizes and sha256 into the folder's manifest.json (data.py), and the tokenizer that made
+them (its ranks file's sha256, <|endoftext|>'s id, its size): train.py takes it from there. A downloaded shard is
 compared first with the sha256 the Hub publishes for it (its LFS object id).
 """
 import argparse
@@ -25,8 +26,8 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 import numpy as np
 from tqdm import tqdm
 
-from engine.data import (MANIFEST, add_to_manifest, build_corpus, check_data, encoder, load_encoding, read_header,
-                         write_shard)
+from engine.data import (MANIFEST, add_to_manifest, build_corpus, check_data, check_tokenizer, encoder, read_header,
+                         read_tokenizer, shard_tokenizer, write_shard)
 from engine.files import read_jsonl
 from engine.httpclient import ByteBar, DownloadError, download_file
 
@@ -50,13 +51,15 @@ def valid_shard(path):
 def download_shards(data_dir, train_shards=NUM_TRAIN_SHARDS, workers=4, base_url=BASE_URL):
     """Fetch the val shard and the first `train_shards` train shards into data_dir, in parallel, each checked
     against the sha256 the server announces (httpclient.download_file) and added to data_dir's manifest as it
-    arrives. Files already present with a valid header and size are skipped without any request."""
+    arrives (with GPT-2's tokenizer, which made them). Files already present with a valid header and size are
+    skipped without any request."""
     if not 0 <= train_shards <= NUM_TRAIN_SHARDS:
         raise ValueError(f"--train_shards {train_shards}: the dataset has 0 to {NUM_TRAIN_SHARDS}")
     if workers < 1:
         raise ValueError(f"--workers {workers}: need at least 1")
     if not base_url.startswith(("http://", "https://")):
         raise ValueError(f"--base_url {base_url}: expected an http:// or https:// URL")
+    gpt2 = check_tokenizer(data_dir, read_tokenizer())  # the dataset's tokenizer
     os.makedirs(data_dir, exist_ok=True)
     todo = []
     for name in shard_names(train_shards):
@@ -79,7 +82,7 @@ def download_shards(data_dir, train_shards=NUM_TRAIN_SHARDS, workers=4, base_url
             try:
                 for job in as_completed(jobs):
                     add_to_manifest(data_dir, {jobs[job]: {k: v for k, v in job.result().items()
-                                                           if k != "announced"}})
+                                                           if k != "announced"}}, gpt2)
             except BaseException:
                 stop.set()  # the other threads stop at their next chunk; .part files stay to resume
                 pool.shutdown(cancel_futures=True)
@@ -188,8 +191,9 @@ class _ShardWriter:
 
 
 def check_request(paths, data_dir, name, shard_tokens, val_tokens, workers, tokenizer):
-    """tokenize's input, checked before any work: the shard name it returns, the sizes, the inputs, no shards of
-    that name in data_dir yet, a tokenizer whose ids fit uint16."""
+    """tokenize's input, checked before any work: the shard name and the tokenizer's record it returns, the sizes,
+    the inputs, no shards of that name in data_dir yet, a tokenizer whose ids fit uint16 and that made any shards
+    data_dir holds."""
     name = name or os.path.basename(os.path.abspath(data_dir))
     # the readers find shards by '*_train_*.bin' / '*_val_*.bin': the name must not confuse them
     if not name or "/" in name or "_train_" in name + "_" or "_val_" in name + "_":
@@ -206,18 +210,18 @@ def check_request(paths, data_dir, name, shard_tokens, val_tokens, workers, toke
     if existing:
         raise ValueError(f"{data_dir}: already holds {name}_*.bin shards "
                          f"({os.path.basename(existing[0])}, ...); remove them or choose another --name")
-    enc = load_encoding(tokenizer)  # in the main process too: a bad --tokenizer fails here, before any work
-    if enc.n_vocab > 2**16:
-        raise ValueError(f"{tokenizer}: {enc.n_vocab} tokens do not fit the uint16 shard format")
-    return name
+    record = shard_tokenizer(tokenizer)  # in the main process: a bad --tokenizer fails here, before any work
+    check_tokenizer(data_dir, record)  # a folder holds one tokenizer's shards
+    return name, record
 
 
 def tokenize(paths, data_dir, name=None, shard_tokens=10**8, val_tokens=10**7, workers=4,
              tokenizer=None):
-    """Tokenise text files into data_dir/<name>_val_000000.bin and <name>_train_000001.bin, ...
-    (name defaults to data_dir's basename). Byte-identical output for any number of workers."""
+    """Tokenise text files with tokenizer (a ranks file; None: GPT-2's) into data_dir/<name>_val_000000.bin and
+    <name>_train_000001.bin, ... (name defaults to data_dir's basename), the tokenizer recorded in data_dir's
+    manifest (data.read_tokenizer). Byte-identical output for any number of workers."""
     data_dir = str(data_dir)
-    name = check_request(paths, data_dir, name, shard_tokens, val_tokens, workers, tokenizer)
+    name, tokenizer = check_request(paths, data_dir, name, shard_tokens, val_tokens, workers, tokenizer)
     os.makedirs(data_dir, exist_ok=True)
     stage = tempfile.mkdtemp(prefix=f".{name}.", dir=data_dir)  # shards appear only if all succeeds
     t0, ndocs, bar = time.time(), 0, None
@@ -232,7 +236,7 @@ def tokenize(paths, data_dir, name=None, shard_tokens=10**8, val_tokens=10**7, w
             files = writer.finish()
         for f in files:
             os.replace(f, os.path.join(data_dir, os.path.basename(f)))
-        add_to_manifest(data_dir, writer.entries)
+        add_to_manifest(data_dir, writer.entries, tokenizer)
     finally:
         if bar is not None:
             bar.close()
@@ -283,7 +287,8 @@ def build_parser():
     t.add_argument("--val_tokens", type=int,
                    help="tokens for the val shard (default 10M, at most a tenth)")
     t.add_argument("--tokenizer", metavar="PATH.tiktoken",
-                   help="GPT-2 ranks file (default: tokenizer/gpt2.tiktoken, GPT-2's own)")
+                   help="a .tiktoken ranks file, for --tokenize and --stdlib (default: tokenizer/gpt2.tiktoken, "
+                        "GPT-2's own); recorded in the folder's manifest.json")
     c = p.add_argument_group("the built-in corpus")
     c.add_argument("--stdlib", nargs="?", const="", metavar="LIBRARY_DIR",
                    help="tokenise a Python standard library (default: this Python's) into --data_dir "
@@ -296,16 +301,18 @@ def build_parser():
 
 def mode_error(args):
     """The usage error of an option given outside its mode (--stdlib, --tokenize or the download), or None."""
-    tok_only = [o for o in ("name", "shard_tokens", "val_tokens", "tokenizer")
-                if getattr(args, o) is not None]
+    tok_only = [o for o in ("name", "shard_tokens", "val_tokens") if getattr(args, o) is not None]
     dl_only = [o for o in ("train_shards", "base_url") if getattr(args, o) is not None]
-    if args.verify and (args.tokenize or args.stdlib is not None or tok_only or dl_only or not args.data_dir):
+    if args.verify and (args.tokenize or args.stdlib is not None or tok_only or dl_only or args.tokenizer
+                        or not args.data_dir):
         return "--verify takes --data_dir alone (the folder to check)"
     if args.stdlib is not None and (args.tokenize or tok_only or dl_only):
         return (f"--stdlib builds the built-in corpus; --{'tokenize' if args.tokenize else (tok_only + dl_only)[0]} "
                 f"does not apply to it")
     if args.tokenize and dl_only:
         return f"--{dl_only[0]} is for downloads, not --tokenize"
+    if args.tokenizer and not (args.tokenize or args.stdlib is not None):
+        return "--tokenizer only applies with --tokenize or --stdlib"
     if not args.tokenize and tok_only:
         return f"--{tok_only[0]} only applies with --tokenize"
     if args.tokenize and not args.data_dir:
@@ -323,7 +330,7 @@ def main(argv=None):
         if args.verify:
             verify(args.data_dir)
         elif args.stdlib is not None:
-            build_corpus(args.data_dir or "data/stdlib", args.stdlib or None, args.workers)
+            build_corpus(args.data_dir or "data/stdlib", args.stdlib or None, args.workers, args.tokenizer)
         elif args.tokenize:
             tokenize(args.tokenize, args.data_dir, name=args.name,
                      shard_tokens=10**8 if args.shard_tokens is None else args.shard_tokens,

@@ -15,7 +15,7 @@ from torch.nn.attention.flex_attention import create_block_mask, create_mask
 from torch.utils.checkpoint import checkpoint
 
 import model as model_file
-from engine.configurator import load_config
+from engine.configurator import load_config, read_args
 from model import (EOT, GPT, GRANULARITY_SHAPES, GPTConfig, KVCache, compiled, document_mask, flops_per_token, generate,
                    lm_loss, mix_with_anchor, triton_available)
 from train import ALL_DEFAULTS, MODEL_KEYS
@@ -24,8 +24,11 @@ ROOT = os.path.dirname(os.path.abspath(__file__))
 CONFIG_DIR = os.path.join(ROOT, "configs")
 # Every file in configs/ gets the generic tests (counts, reference, causality, gradients), a fork's new one too;
 # the paper's variants, a fixed list, are also checked against README.md's table.
-OVERLAYS = ("tiny.py", "small.py", "size_3b.py", "size_7b.py")  # sizes to put after any variant file, not variants
-VARIANT_FILES = sorted(f for f in glob.glob(os.path.join(CONFIG_DIR, "*.py")) if not f.endswith(OVERLAYS))
+# A variant file sets what makes a variant (model.py's docstring); a file of sizes (tiny.py, size_7b.py) or of settings
+# only (a data_dir, a vocab_size) goes after one, and is none
+VARIANT_FIELDS = {"gate", "anchor", "mix", "granularity", "anchor_norm", "dynamic", "anchor_frozen"}
+is_variant_file = lambda path: bool(VARIANT_FIELDS & read_args([path], ALL_DEFAULTS).keys())
+VARIANT_FILES = sorted(filter(is_variant_file, glob.glob(os.path.join(CONFIG_DIR, "*.py"))))
 PAPER_VARIANTS = ["baseline", "gated", "resformer", "nuresformer_s", "nuresformer_h", "nuresformer_e",
                   "exoformer_s", "exoformer_h", "exoformer_e", "dyn_exo", "exoformer_e_nonorm",
                   "nuresformer_e_nonorm", "nkqr_e", "gated_1b", "dyn_exo_1b"]
@@ -149,6 +152,15 @@ def test_config_files_name_their_variant():
     assert (c["dyn_exo_1b"].n_embd, c["dyn_exo_1b"].n_layer) == (1536, 32)
     tiny = load_config([os.path.join(CONFIG_DIR, "dyn_exo.py"), os.path.join(CONFIG_DIR, "tiny.py")], ALL_DEFAULTS)
     assert tiny["dynamic"] and [tiny[k] for k in ("n_layer", "n_embd", "n_head", "block_size")] == [4, 128, 4, 256]
+
+
+def test_a_file_of_sizes_or_settings_is_no_variant(tmp_path):
+    """Only a file that sets what makes a variant gets the generic tests as one: not configs/tiny.py (sizes), nor a
+    fork's file of settings (a vocabulary and its data, FORKING.md's recipe 7), which goes after a variant file."""
+    (tmp_path / "bytes.py").write_text("vocab_size = 384\ndata_dir = 'data/mytext_bytes'\n")
+    assert not is_variant_file(str(tmp_path / "bytes.py")) and not is_variant_file(os.path.join(CONFIG_DIR, "tiny.py"))
+    assert is_variant_file(os.path.join(CONFIG_DIR, "dyn_exo.py"))
+    assert not [f for f in VARIANT_FILES if f.endswith(("tiny.py", "small.py", "size_3b.py", "size_7b.py"))]
 
 
 def test_variant_names():

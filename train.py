@@ -31,7 +31,7 @@ import torch.nn as nn
 from engine import checkpoint, dryrun, parallel, sharding
 from engine.checkpoint import RNG, branch_path, checkpoint_path, kept_path, load_resumable, save_weights
 from engine.configurator import help_text, key_comments, read_args, wants_help
-from engine.data import DataLoader, check_data, ensure_corpus, val_batches
+from engine.data import DataLoader, check_data, data_tokenizer, ensure_corpus, val_batches
 from engine.parallel import PREEMPTED, STOP_SIGNALS, RunFailed, StopSignals, Worker
 from engine.runlog import Log
 from model import GPT, GPTConfig
@@ -44,7 +44,7 @@ class TrainConfig:
     """train.py's keys, one per line, its meaning in the comment (`python train.py --help` prints them). The model
     keys are GPTConfig's fields (set them with a configs/ file); their meanings are model.py's."""
     # I/O
-    data_dir: str = "data/finewebedu10B"  # prepare.py's shards; a folder named stdlib is built when missing
+    data_dir: str = "data/finewebedu10B"  # prepare.py's shards; a folder named stdlib (or stdlib_*) is built if missing
     verify_data: bool = False  # also check every shard's sha256 against its manifest at start (sizes: always)
     out_dir: str = "out"  # ckpt.pt and log.jsonl
     init_from: str = "scratch"  # 'scratch', 'resume' (<out_dir>/ckpt.pt), 'auto' (resume if there is one), or a
@@ -124,7 +124,7 @@ ALL_DEFAULTS = {**DEFAULTS, **{f.name: f.default for f in fields(GPTConfig)}}
 
 def build_optimizers(model, cfg):
     """The recipe's optimisers, by name (schedule() gives each its <name>_lr): Muon for the weights of the nn.Linear
-    layers inside the network, maps from one hidden vector to another, which its orthogonalised update suits; AdamW
+    layers inside the network (anchor_proj's and the dynamic MLP's too, as the authors' optimizer.py has it); AdamW
     for every other trained parameter (embedding, lm_head, norms, biases, λ, a fork's); a frozen one in neither."""
     muon = muon_params(model)
     adam = [p for p in model.parameters() if id(p) not in set(map(id, muon)) and p.requires_grad]
@@ -174,6 +174,7 @@ def train_step(run, batches):
                 _, loss = run.train_model(x, y, z_loss=cfg.z_loss, doc_mask=cfg.doc_mask)
             (loss / run.accum).backward()
         loss_sum += loss.detach()
+        measure_micro_batch(run, x, y, loss, measured)
     # the mean over every micro-batch of every process (in float64, as a Python float divides)
     measured["train_loss"] = worker.sum(loss_sum).double() / (run.accum * worker.world_size)
     measured["grad_norm"] = sharding.full_value(clip_norm(run.model, cfg.grad_clip))  # the norm before clipping
@@ -184,10 +185,13 @@ def train_step(run, batches):
     return measured
 
 
+def measure_micro_batch(run, x, y, loss, measured):
+    """A fork's measure of a micro-batch (x, y, its loss), into the step's log entry measured (on the device)."""
+
+
 def micro_batches(run):
     """(x, y, last) of each micro-step of this step: batch_size windows of the step's batch, on the device."""
-    xs, ys = run.loader.next_batch()
-    device, n = run.worker.device, run.cfg.batch_size
+    (xs, ys), device, n = run.loader.next_batch(), run.worker.device, run.cfg.batch_size
     for i, (x, y) in enumerate(zip(xs.split(n), ys.split(n))):
         yield x.to(device, non_blocking=True), y.to(device, non_blocking=True), i == run.accum - 1
 
@@ -198,6 +202,7 @@ def train(run, log, stop):
     """The loop, from the checkpoint's step (or 0) to max_steps: a step, then what is due after it. Returns what
     stopped it early (a signal), or None."""
     cfg, worker = run.cfg, run.worker
+    due = lambda interval: run.step % interval == 0 or run.step == cfg.max_steps  # one of every interval steps, or last
     if run.step == 0 or run.pending_log:  # the loss the run starts from, or the evaluation a stop left to do
         log.write(log_entry(run, run.pending_log or {}, evaluating=True))
     while run.step < cfg.max_steps:
@@ -209,21 +214,20 @@ def train(run, log, stop):
                 raise RunFailed(f"non-finite {what} ({measured[key]}) at step {run.step}; the last good checkpoint, "
                                 f"if any, is {run.ckpt_path}")
         log.times.append(time.perf_counter() - t0)
-        # what is due after the step: an evaluation, a log line, checkpoints, a stop
-        measured.update(log.timing())
+        measured.update(log.timing())  # then what is due after the step: an evaluation, a log line, checkpoints, a stop
         stopping = run.step < cfg.max_steps and stop.agreed(worker)  # a signal to any rank: all stop after this step
         if run.loader.epoch != epoch:  # this step's batch began the data again from the first shard
             measured["epoch"] = run.loader.epoch
-        evaluating = due(run.step, cfg.eval_interval, cfg)
+        evaluating = due(cfg.eval_interval)
         pending = stopping and run.step % cfg.eval_interval == 0  # that evaluation is left to the resumed run
-        if not pending and (due(run.step, cfg.log_interval, cfg) or evaluating or "epoch" in measured):
+        if not pending and (due(cfg.log_interval) or evaluating or "epoch" in measured):
             log.write(log_entry(run, measured, evaluating))
-        for path in [run.ckpt_path] * (due(run.step, cfg.ckpt_interval, cfg) or stopping) + \
+        for path in [run.ckpt_path] * (due(cfg.ckpt_interval) or stopping) + \
                 [branch_path(cfg.out_dir, run.step, cfg.fsdp)] * (run.step in cfg.keep_full):  # a branch point
             save(run, path, pending_log={"step": run.step, **measured} if pending else None)
         if cfg.keep_every and run.step % cfg.keep_every == 0:  # weights only: the history analyze.py reads
             save_weights(kept_path(cfg.out_dir, run.step), run.model, run.flat_config(), run.step,
-                         f"train.py, step {run.step} of {cfg.out_dir}", worker.master)
+                         f"train.py, step {run.step} of {cfg.out_dir}", worker.master, run.tokenizer)
         if stopping:
             return stop.stopped(worker, run.step, run.ckpt_path)  # each rank says so: what stopped it
     return None
@@ -237,11 +241,6 @@ def log_entry(run, measured, evaluating):
     if evaluating:
         entry["val_loss"] = evaluate(run, run.cfg.eval_tokens)
     return entry
-
-
-def due(step, interval, cfg):
-    """Whether step is one of every `interval` steps, or the last."""
-    return step % interval == 0 or step == cfg.max_steps
 
 
 @torch.no_grad()
@@ -278,6 +277,7 @@ class Run:
     train_loss: float = None  # of the last step
     pending_log: dict = None  # a stop at an evaluation step: its log entry, evaluated and logged on resume
     started_from: str = None  # the checkpoint it (re)started from: its log begins with that run's, up to step
+    tokenizer: dict = None  # what made its data, data.read_tokenizer's record (None: not recorded): checkpoints keep it
 
     @property
     def ckpt_path(self):
@@ -288,18 +288,21 @@ class Run:
         return {**asdict(self.cfg), **asdict(self.model.config)}
 
 
-def build(cfg, model_config, worker):
+def build(cfg, model_config, worker, storage=None):
     """The data readers (every shard checked now, the val shard too), the model (seeded), its optimisers, and the
-    resumable parts: what a checkpoint saves, by name (a fork's own part is registered here)."""
+    resumable parts: what a checkpoint saves, by name (a fork's own part, and each file it reads, is registered here).
+    The dry run builds the launch here too (storage: its fake tensors' mode), a fork's models and checks with it."""
     T, V, rank, world = model_config.block_size, model_config.vocab_size, worker.rank, worker.world_size
-    check_data(cfg.data_dir, hashes=cfg.verify_data, say=worker.say)  # against its manifest: sizes; sha256 if asked
+    check_data(cfg.data_dir, cfg.verify_data, worker.say, worker)  # its manifest's sizes; sha256s if asked, shared
+    tokenizer = data_tokenizer(cfg.data_dir)  # what made the shards (configure checked it), for every checkpoint
     accum = cfg.total_batch_size // (cfg.batch_size * T * world)  # micro-steps per step (check: a whole number)
     # a step's window of total_batch_size tokens, split into micro-steps: the same tokens at any mix of processes
     loader = None if cfg.eval_only else DataLoader(cfg.data_dir, accum * cfg.batch_size, T, rank, world, V)
     next(val_batches(cfg.data_dir, cfg.batch_size, T, cfg.eval_tokens, rank, world, V), None)
-    model, eval_model, train_model, optimizers = build_model(cfg, model_config, worker)
+    model, eval_model, train_model, optimizers = build_model(cfg, model_config, worker, storage)
     parts = {"model": model, "optimizers": optimizers, "loader": loader, "rng": RNG()}
-    return Run(cfg, worker, accum, model, eval_model, train_model, optimizers, loader, parts)
+    run = Run(cfg, worker, accum, model, eval_model, train_model, optimizers, loader, parts, tokenizer=tokenizer)
+    return checkpoint.check_parts(run)  # state a resume would start again, held outside run.parts: refused
 
 
 def build_model(cfg, model_config, worker, storage=None):
@@ -313,7 +316,7 @@ def build_model(cfg, model_config, worker, storage=None):
     model.activation_checkpointing = cfg.activation_checkpointing
     model, eval_model, train_model = parallel.place_model(model, worker, cfg.fsdp, storage)
     optimizers = build_optimizers(model, cfg)
-    optimizers.check_params(model)  # before any step: each trained parameter in exactly one optimiser
+    optimizers.check_params(model, schedule(0, cfg))  # before any step: each parameter in one optimiser, and more
     if cfg.fsdp:  # before any step: each optimiser's state must fit the sharded checkpoint
         sharding.check_optimizers(model, optimizers)
     return model, eval_model, train_model, optimizers
@@ -330,10 +333,10 @@ def main(argv):
         try:
             given = read_args(argv, ALL_DEFAULTS)
             cfg = TrainConfig(**{k: v for k, v in given.items() if k in DEFAULTS})
-            if cfg.dry_run:  # the launch traced in one process, on fake tensors; no corpus is read (engine/dryrun.py)
+            if cfg.dry_run:  # the launch traced in one process, on fake tensors; no corpus is built (engine/dryrun.py)
                 fits = dryrun.launch(sys.modules[__name__], given, cfg)
                 return None if fits else sys.exit("train.py: dry run: the launch would not fit, or would fail (above)")
-            ensure_corpus(cfg.data_dir)  # the built-in corpus (a data_dir named stdlib), before any thread or GPU
+            ensure_corpus(cfg.data_dir)  # the built-in corpus (a data_dir named stdlib...), before any thread or GPU
             worker = parallel.join(cfg)
         except (ValueError, OSError) as e:
             sys.exit(f"train.py: error: {e}")
@@ -375,11 +378,12 @@ def start(given, cfg, worker):
 def configure(given, cfg, worker):
     """Everything about the input that can be wrong, checked before any work: the checkpoint to start from, the keys
     and their values. Returns (cfg, model_config, the checkpoint, its path)."""
-    ckpt, path = load_resumable(cfg.out_dir, cfg.init_from, cfg.eval_only, cfg.fsdp)  # either kind: DDP <-> FSDP
-    if ckpt is None:
-        model_config = given_model_config(given)
+    ckpt, path = load_resumable(cfg.out_dir, cfg.init_from, cfg.eval_only, cfg.fsdp, worker)  # either kind
+    if ckpt is None:  # each key left out at its default
+        model_config = split_config({**ALL_DEFAULTS, **given})[1]
     else:  # each key left out is the checkpoint's; which keys a resume or a branch may change: engine/checkpoint.py
         cfg, model_config = checkpoint.continued_config(sys.modules[__name__], given, cfg, ckpt, path, worker.say)
+    model_config = checkpoint.with_data_tokenizer(model_config, cfg.data_dir, given, ckpt, path)  # eot_token, checked
     cfg.check(model_config, worker.world_size)
     return cfg, model_config, ckpt, path
 
@@ -420,16 +424,12 @@ def split_config(flat):
                           if k in DEFAULTS}), GPTConfig(**{k: v for k, v in flat.items() if k in MODEL_KEYS})
 
 
-def given_model_config(given):
-    """The GPTConfig of the given keys ({key: value}), each one left out at its default."""
-    return GPTConfig(**{k: v for k, v in {**ALL_DEFAULTS, **given}.items() if k in MODEL_KEYS})
-
-
 def save(run, path, pending_log=None):
     """A resume checkpoint of every part (engine/checkpoint.py says what it holds); a rank that cannot write it (a
     full disk) stops every rank, in one line."""
     try:
-        checkpoint.save_resumable(path, run.parts, run.step, run.flat_config(), run.worker, pending_log)
+        checkpoint.save_resumable(path, run.parts, run.step, run.flat_config(), run.worker, pending_log,
+                                  run.tokenizer)
     except OSError as e:
         raise RunFailed(f"step {run.step}: {e}; the previous checkpoint, if any, is intact, and --init_from=auto "
                         f"resumes from it") from None

@@ -1,16 +1,20 @@
-"""Data on disk: the GPT-2 tokenizer, the binary shard format, the readers the trainer uses, and the built-in corpus
-(this Python's standard library as shards). Nothing here touches the network (httpclient.py does), so the trainer
-imports no network package.
+"""Data on disk: the tokenizer (GPT-2's, or another ranks file's) and its record, the binary shard format, the readers
+the trainer uses, and the built-in corpus (this Python's standard library as shards). Nothing here touches the network
+(httpclient.py does), so the trainer imports no network package.
 
 Shard format (llm.c / modded-nanogpt): a header of 256 little-endian int32 words (magic 20240520,
 version 1, token count, then zeros), followed by the tokens as little-endian uint16. A shard of
 ntok tokens is therefore exactly 1024 + 2*ntok bytes; anything else is a truncated or foreign file.
 
 A data folder's manifest.json lists the shards written into it (prepare.py's, the built-in corpus's, and downloads
-with the sha256 the Hub published for them): each one's size and sha256, hashed as it was written. train.py checks
-the sizes at every start and the hashes with verify_data=True; prepare.py --verify checks both (check_data).
+with the sha256 the Hub published for them): each one's size and sha256, hashed as it was written, and the tokenizer
+that made them (read_tokenizer's record; a folder holds one tokenizer's shards). train.py checks the sizes at every
+start and the hashes with verify_data=True; prepare.py --verify checks both (check_data); train.py takes the
+tokenizer from there (data_tokenizer).
 """
 import ast
+import base64
+import binascii
 import contextlib
 import fcntl
 import glob
@@ -27,10 +31,9 @@ import time
 import numpy as np
 import tiktoken
 import torch
-from tiktoken.load import load_tiktoken_bpe
 from tqdm import tqdm
 
-from engine.files import DamagedError, HashingWriter, atomic_write, check_entry
+from engine.files import DamagedError, HashingWriter, agreed, atomic_write, check_entry, share
 
 GPT2_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?!\S)|\s"""
 
@@ -38,19 +41,78 @@ GPT2_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository
 TOKENIZER = os.path.join(ROOT, "tokenizer", "gpt2.tiktoken")  # shipped: the ranks of tiktoken's gpt2 (r50k_base),
 #   under OpenAI's licence beside it, so that no tool downloads them
+GPT2_SHA256 = "306cd27f03c1a714eca7108e03d66b7dc042abe8c258b44c199a7ed9838dd930"  # that file's: tiktoken's expected
+#   hash of r50k_base.tiktoken (tiktoken_ext/openai_public.py)
+EOT_TEXT = "<|endoftext|>"  # the one special token: its id is the number of ranks, right after them
 
 
-def load_encoding(path=None):
-    """GPT-2 BPE: the ranks of a `.tiktoken` file (path; default: GPT-2's own, shipped in tokenizer/), GPT-2's
-    split pattern, and `<|endoftext|>` right after the ranks (50256 for GPT-2). Every tool loads its tokenizer
-    here. Nothing is downloaded: tiktoken's get_encoding("gpt2") would fetch the same ranks on first use."""
-    path = TOKENIZER if path is None else path
+def read_tokenizer(path=None):
+    """A tokenizer as corpora and checkpoints record it: the record of a `.tiktoken` ranks file (path; default
+    GPT-2's, shipped in tokenizer/), {"name": the file's name, "sha256": of its bytes, "eot_token": the id of
+    <|endoftext|>, "n_vocab": the tokens with it}, and "ranks", the file's text, unless it is GPT-2's (which every
+    clone has). The file is read every time, never through a cache: a ranks file rewritten in place is read anew."""
+    path = TOKENIZER if path is None else str(path)
     try:
-        ranks = load_tiktoken_bpe(str(path))
-    except Exception as e:
-        raise ValueError(f"{path}: not a readable .tiktoken ranks file ({e})") from None
-    return tiktoken.Encoding(name="gpt2" if path == TOKENIZER else f"gpt2:{path}", pat_str=GPT2_PATTERN,
-                             mergeable_ranks=ranks, special_tokens={"<|endoftext|>": len(ranks)})
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as e:
+        raise ValueError(f"{path}: not a readable .tiktoken ranks file ({e.strerror})") from None
+    ranks, sha256 = parse_ranks(data, path), hashlib.sha256(data).hexdigest()
+    record = {"name": os.path.basename(path), "sha256": sha256, "eot_token": len(ranks), "n_vocab": len(ranks) + 1}
+    return record if sha256 == GPT2_SHA256 else {**record, "ranks": data.decode("ascii")}
+
+
+def parse_ranks(data, source):
+    """{token bytes: rank} of a `.tiktoken` file's bytes (a base64 token and its rank a line, as tiktoken's
+    load_tiktoken_bpe reads them), its ranks 0 to n-1; a one-line error naming source otherwise."""
+    try:
+        ranks = {base64.b64decode(token, validate=True): int(rank)
+                 for token, rank in (line.split() for line in data.splitlines() if line)}
+    except (ValueError, binascii.Error):
+        raise ValueError(f"{source}: not a readable .tiktoken ranks file (a base64 token and a rank a line)") from None
+    if sorted(ranks.values()) != list(range(len(ranks))):
+        raise ValueError(f"{source}: its ranks are not 0 to {len(ranks) - 1}, each once")
+    return ranks
+
+
+def load_encoding(tokenizer=None):
+    """The tiktoken encoding of a tokenizer: tokenizer is a ranks file (None: GPT-2's, shipped in tokenizer/) or a
+    record of one (read_tokenizer's, as a corpus's manifest or a checkpoint holds it). GPT-2's split pattern, and
+    <|endoftext|> right after the ranks (50256 for GPT-2). Every tool loads its tokenizer here; nothing is downloaded
+    (tiktoken's get_encoding("gpt2") would fetch the same ranks on first use) and nothing is cached."""
+    record = tokenizer if isinstance(tokenizer, dict) else read_tokenizer(tokenizer)
+    if "ranks" in record:
+        data, source = record["ranks"].encode("ascii"), f"the recorded tokenizer {record['name']}"
+    elif record["sha256"] == GPT2_SHA256:
+        with open(TOKENIZER, "rb") as f:
+            data, source = f.read(), TOKENIZER
+    else:
+        raise ValueError(f"the recorded tokenizer {record['name']} holds no ranks, and is not GPT-2's")
+    if hashlib.sha256(data).hexdigest() != record["sha256"]:
+        raise DamagedError(f"{source}: its ranks' sha256 is not the recorded {record['sha256']}")
+    return tiktoken.Encoding(name=f"{record['name']}:{record['sha256'][:12]}", pat_str=GPT2_PATTERN,
+                             mergeable_ranks=parse_ranks(data, source), special_tokens={EOT_TEXT: record["eot_token"]})
+
+
+def shard_tokenizer(path=None):
+    """read_tokenizer's record of a ranks file to write shards with (prepare.py, the built-in corpus): a one-line
+    error if its ids do not fit the shards' uint16 tokens."""
+    record = read_tokenizer(path)
+    if record["n_vocab"] > 2**16:
+        raise ValueError(f"{record['name']}: {record['n_vocab']:,} tokens do not fit the uint16 shard format")
+    return record
+
+
+def same_tokenizer(a, b):
+    """Whether two records (None: not recorded, written before tokenizers were: GPT-2's) name the same tokenizer."""
+    return (a or {}).get("sha256", GPT2_SHA256) == (b or {}).get("sha256", GPT2_SHA256)
+
+
+def describe_tokenizer(record):
+    """A record in words: `bytes.tiktoken (257 tokens, <|endoftext|> 256)`."""
+    if record is None:
+        return "none recorded (written before tokenizers were: GPT-2's assumed)"
+    return f"{record['name']} ({record['n_vocab']:,} tokens, {EOT_TEXT} {record['eot_token']})"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -130,37 +192,80 @@ def validate_shard(path, vocab_size):
     return len(tokens)
 
 
-MANIFEST = "manifest.json"  # a data folder's shards, as they were written: {"files": {name: {"bytes", "sha256"}}}
+MANIFEST = "manifest.json"  # a data folder's shards, as they were written, and the tokenizer that made them:
+#                             {"files": {name: {"bytes", "sha256"}}, "tokenizer": read_tokenizer's record}
 
 
-def read_manifest(data_dir):
-    """{name: {"bytes", "sha256"}} of data_dir's manifest, {} if it has none; a one-line error if it is damaged."""
+def _manifest(data_dir):
+    """data_dir's manifest.json as read ({} if it has none), or a one-line error if it is damaged."""
     path = os.path.join(str(data_dir), MANIFEST)
     if not os.path.exists(path):
         return {}
     try:
         with open(path) as f:
-            files = json.load(f)["files"]
-        return {name: {"bytes": int(e["bytes"]), "sha256": str(e["sha256"])} for name, e in files.items()}
+            manifest = json.load(f)
+        manifest["files"] = {name: {"bytes": int(e["bytes"]), "sha256": str(e["sha256"])}
+                             for name, e in manifest["files"].items()}
+        if not isinstance(manifest.get("tokenizer", {}), dict):
+            raise TypeError("its tokenizer is not a record")
+        return manifest
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         raise DamagedError(f"{path}: damaged, not a manifest of shards ({type(e).__name__}: {e})") from None
 
 
-def add_to_manifest(data_dir, entries):
-    """entries ({name: {"bytes", "sha256"}}) added to data_dir's manifest, which is written anew, atomically."""
-    files = {**read_manifest(data_dir), **entries}
+def read_manifest(data_dir):
+    """{name: {"bytes", "sha256"}} of data_dir's manifest, {} if it has none; a one-line error if it is damaged."""
+    return _manifest(data_dir).get("files", {})
+
+
+def data_tokenizer(data_dir):
+    """The tokenizer that made data_dir's shards (read_tokenizer's record, as its manifest holds it), or None where
+    none is recorded: a folder written before tokenizers were (GPT-2's is assumed), by hand, or not there."""
+    return _manifest(data_dir).get("tokenizer") if os.path.isdir(str(data_dir)) else None
+
+
+def add_to_manifest(data_dir, entries, tokenizer=None):
+    """entries ({name: {"bytes", "sha256"}}) added to data_dir's manifest, which is written anew, atomically, naming
+    tokenizer (read_tokenizer's record: the one that made them; None: none known). A folder holds one tokenizer's
+    shards: another one's (check_tokenizer) is a one-line error."""
+    manifest = _manifest(data_dir)
+    tokenizer = check_tokenizer(data_dir, tokenizer, manifest, new=entries) or manifest.get("tokenizer")
     with atomic_write(os.path.join(str(data_dir), MANIFEST), "w") as f:
-        json.dump({"files": dict(sorted(files.items()))}, f, indent=1)
+        json.dump({"files": dict(sorted({**manifest.get("files", {}), **entries}.items())),
+                   **({"tokenizer": tokenizer} if tokenizer else {})}, f, indent=1)
 
 
-def check_data(data_dir, hashes=False, say=None):
+def check_tokenizer(data_dir, tokenizer, manifest=None, new=()):
+    """tokenizer (a record), if data_dir's shards but those named in new, if any, are that tokenizer's too (those of
+    a folder that records none were written before tokenizers were: GPT-2's); a one-line error if they are another's."""
+    manifest = _manifest(data_dir) if manifest is None else manifest
+    shards = {*manifest.get("files", {}), *map(os.path.basename, glob.glob(os.path.join(
+        glob.escape(str(data_dir)), "*_*_*.bin")))} - set(new)
+    if tokenizer and shards and not same_tokenizer(manifest.get("tokenizer"), tokenizer):
+        raise ValueError(f"{data_dir}: its shards were made by the tokenizer "
+                         f"{describe_tokenizer(manifest.get('tokenizer'))}, not by {describe_tokenizer(tokenizer)}: "
+                         f"a folder holds one tokenizer's shards (choose another --data_dir)")
+    return tokenizer
+
+
+def check_data(data_dir, hashes=False, say=None, worker=None):
     """The shards of data_dir against its manifest: each one's size, and with hashes its sha256 (a read of every
     byte), a DamagedError naming the first that differs. Returns the shards the manifest does not list (copied in
     by hand: not verifiable); a folder without a manifest (written before manifests) lists them all. say: where a
-    check of the hashes notes those it could not verify (a function of one line; None: no note)."""
-    data_dir, files = str(data_dir), read_manifest(data_dir)
-    for name in sorted(files):
-        check_entry(os.path.join(data_dir, name), files[name], os.path.join(data_dir, MANIFEST), hashes)
+    check of the hashes notes those it could not verify (a function of one line; None: no note). worker (a
+    parallel.Worker; None: one process): the ranks share the hashing, each reading about 1/world_size of the bytes
+    (files.share), and stop together, with the same line (files.agreed)."""
+    return agreed(lambda: _check_data(str(data_dir), hashes, say, worker), worker)
+
+
+def _check_data(data_dir, hashes, say, worker):
+    """check_data on this rank: every size; its share of the hashes."""
+    files = read_manifest(data_dir)
+    names, listing = sorted(files), os.path.join(data_dir, MANIFEST)
+    for name in names:
+        check_entry(os.path.join(data_dir, name), files[name], listing, hashes=False)
+    for i in share([files[name]["bytes"] for name in names], worker) if hashes else ():
+        check_entry(os.path.join(data_dir, names[i]), files[names[i]], listing)
     shards = sorted(os.path.basename(p) for p in glob.glob(os.path.join(glob.escape(data_dir), "*_*_*.bin")))
     unlisted = [name for name in shards if name not in files]
     if unlisted and hashes and say:
@@ -360,7 +465,8 @@ def encoder(tokenizer=None, workers=1):
 # topic. Every machine that runs this code holds it, so the quick start trains with no download, and nothing of
 # it is copied into the repository: it is read from the reader's own Python when it is built.
 
-CORPUS_NAME = "stdlib"  # its directory's name: train.py builds a missing data_dir of this name first
+CORPUS_NAME = "stdlib"  # its directory's name, or its name's start (stdlib_small, stdlib-3.12): train.py builds a
+#                         missing data_dir of such a name first
 CORPUS_VAL_ONE_IN = 20  # one document in 20 goes to validation, picked by a hash of its name (ours: measured 0.16M
 #                         tokens of Debian's python3.11, 1.0M of a full CPython 3.11 build with its tests: more than
 #                         the 32,768 configs/tiny.py evaluates)
@@ -371,8 +477,9 @@ TOPICS = "pydoc_data/topics.py"  # pydoc's help topics: a dict of texts, each to
 
 
 def is_corpus(data_dir):
-    """Whether data_dir names the built-in corpus (its last part is CORPUS_NAME)."""
-    return os.path.basename(os.path.normpath(str(data_dir))) == CORPUS_NAME
+    """Whether data_dir names the built-in corpus: its last part is CORPUS_NAME, or starts with it and a _, - or .)."""
+    name = os.path.basename(os.path.normpath(str(data_dir)))
+    return name == CORPUS_NAME or (name.startswith(CORPUS_NAME) and name[len(CORPUS_NAME)] in "_-.")
 
 
 def library_documents(lib_dir):
@@ -430,11 +537,12 @@ def staging_folder(data_dir):
     return stage
 
 
-def write_corpus_shards(stage, name, docs, split, workers, desc):
-    """{part: tokens} of the split's documents, tokenised by `workers` processes and written into stage as
-    {name}_val_000000.bin and {name}_train_000001.bin, listed in stage's manifest.json as they are written."""
+def write_corpus_shards(stage, name, docs, split, workers, desc, tokenizer):
+    """{part: tokens} of the split's documents, tokenised by `workers` processes with tokenizer (a record) and
+    written into stage as {name}_val_000000.bin and {name}_train_000001.bin, listed in stage's manifest.json as they
+    are written, with the tokenizer."""
     tokens, entries = {}, {}
-    with encoder(workers=workers) as encode:
+    with encoder(tokenizer, workers) as encode:
         bar = tqdm(total=len(docs), unit="doc", desc=desc)
         for index, part in ((0, "val"), (1, "train")):
             arrays = []
@@ -445,12 +553,13 @@ def write_corpus_shards(stage, name, docs, split, workers, desc):
             shard = f"{name}_{part}_{index:06d}.bin"
             entries[shard] = write_shard(os.path.join(stage, shard), tokens[part])
         bar.close()
-    add_to_manifest(stage, entries)
+    add_to_manifest(stage, entries, tokenizer)
     return tokens
 
 
-def build_corpus(data_dir, lib_dir=None, workers=min(CORPUS_WORKERS, os.cpu_count() or 1)):
-    """Tokenise a Python library folder (default: the running Python's, sysconfig's stdlib) into data_dir:
+def build_corpus(data_dir, lib_dir=None, workers=min(CORPUS_WORKERS, os.cpu_count() or 1), tokenizer=None):
+    """Tokenise a Python library folder (default: the running Python's, sysconfig's stdlib) with tokenizer (a ranks
+    file; None: GPT-2's) into data_dir:
     {name}_val_000000.bin, {name}_train_000001.bin (name: data_dir's basename), their manifest.json, and corpus.json,
     what went where.
     Documents in the order of their names' hashes, so that the first batches mix the whole library; the validation
@@ -462,14 +571,14 @@ def build_corpus(data_dir, lib_dir=None, workers=min(CORPUS_WORKERS, os.cpu_coun
         raise ValueError(f"{data_dir}: already exists; remove it to build the corpus again")
     if not os.path.isdir(lib_dir):
         raise FileNotFoundError(f"{lib_dir}: no such Python library folder")
-    t0, name = time.time(), os.path.basename(data_dir)
+    t0, name, tokenizer = time.time(), os.path.basename(data_dir), shard_tokenizer(tokenizer)
     docs, skipped = library_documents(lib_dir)
     if not docs:
         raise ValueError(f"{lib_dir}: no Python modules in it")
     split = corpus_split(docs)
     stage = staging_folder(data_dir)
     try:
-        tokens = write_corpus_shards(stage, name, docs, split, workers, desc=f"building {data_dir}")
+        tokens = write_corpus_shards(stage, name, docs, split, workers, f"building {data_dir}", tokenizer)
         summary = {"source": lib_dir, "skipped": skipped,
                    **{f"{part}_documents": len(split[part]) for part in split},
                    **{f"{part}_tokens": len(tokens[part]) for part in split}, "val_names": split["val"]}

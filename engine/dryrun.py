@@ -1,11 +1,13 @@
 """
 The dry run of a launch (train.py --dry_run=True): what each of its N processes would hold on its GPU, traced in one
-process on a CPU. The launch is configured and its model built as train.py does it, then its real step
+process on a CPU. The launch is configured and built as train.py does it (train.build: every part, model and check a
+fork adds there; on the launch's data where it is here, else on a stand-in of its layout), then its real step
 (train.train_step: every micro-step's forward and backward, the clip, every optimiser's step with Muon's exchange)
-runs twice over fake tensors (FakeTensorMode: shapes, no data) and a fake process group of N ranks (its collectives do
-nothing), as rank 0. torch's trackers count what the step holds, by kind (FSDPMemTracker under FSDP, MemTracker
-otherwise); this file makes the group and the worker, traces the steps, names the kinds, and judges the peak against
-the GPU's memory. train.py passes itself in (`recipe`): the engine imports nothing above it.
+runs twice, and an evaluation (train.log_entry's) once, over fake tensors (FakeTensorMode: shapes, no data) and a
+fake process group of N ranks (its collectives do nothing), as rank 0. torch's trackers count what the step holds,
+by kind (FSDPMemTracker under FSDP, MemTracker otherwise); this file makes the group and the worker, traces the steps,
+names the kinds, and judges the peak against the GPU's memory. train.py passes itself in (`recipe`): the engine
+imports nothing above it.
 
 What the emulation leaves out, or changes, and why the margin (HEADROOM) stays:
   - the CUDA context, NCCL's buffers, kernels' workspaces (cuBLAS, FlexAttention) and the caching allocator's
@@ -16,17 +18,23 @@ What the emulation leaves out, or changes, and why the margin (HEADROOM) stays:
   - DDP's reducer (it cannot run on fake tensors): its buckets are the gradients themselves (gradient_as_bucket_view),
     which the trace holds; its all-reduce is not traced;
   - bf16 autocast is the CPU's (the same ops run in bf16 as on CUDA for the matmuls; a few elementwise ones may
-    differ).
+    differ);
+  - a value read from a tensor (an evaluation's .item()) is 1.0: there are no values.
 """
+import contextlib
 import copy
 import os
+import tempfile
 from dataclasses import replace
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
-from engine.data import DataLoader
+from engine.checkpoint import OWN_CLASSES, tensors
+from engine.data import write_shard
 from engine.parallel import Runtime, Worker
 from engine.sharding import assign_owners
 from optim import Muon, clip_norm, moment_shape
@@ -47,10 +55,12 @@ KINDS = {"parameters": ("Parameter", "Buffer", "Sharded Param", "Unsharded Param
 
 def launch(recipe, given, cfg):
     """The dry run of the launch of these keys (given: as read; cfg: its TrainConfig) at dry_world_size processes (or
-    torchrun's), with recipe (the train module: its configure, build_model, Run and train_step): configured and built
-    as the launch does, the model on the meta device, then two train_steps over fake tensors as rank 0 of a fake
-    process group, in bf16 autocast. Prints rank 0's peak GPU memory by kind against gpu_memory, whether it fits, and
-    each error the launch would hit, one line each. Returns whether it fits with no error."""
+    torchrun's), with recipe (the train module: its configure, build, train_step and log_entry): configured and built
+    as the launch does (build: every part, model and check a fork adds there), the model on the meta device, then two
+    train_steps and an evaluation (log_entry's) over fake tensors as rank 0 of a fake process group, in bf16
+    autocast. Prints rank 0's peak GPU memory by kind against gpu_memory, whether it fits, and each error the launch
+    would hit, one line each (a ValueError or OSError in the launch's own words). Returns whether it fits with no
+    error."""
     world = cfg.dry_world_size or int(os.environ.get("WORLD_SIZE", 1))
     if world < 1 or cfg.gpu_memory <= 0:
         print(f"train.py: dry run: error: dry_world_size={cfg.dry_world_size}, gpu_memory={cfg.gpu_memory}: expected "
@@ -62,21 +72,22 @@ def launch(recipe, given, cfg):
             cfg, model_config, _, _ = recipe.configure(given, cfg, worker)
         except ValueError as e:  # the first wrong key: the launch stops there, but the model can still be traced
             errors.append(str(e))
-            model_config = recipe.given_model_config(given)
-        T = model_config.block_size
-        try:  # the data: where the launch runs, not necessarily here
-            DataLoader(cfg.data_dir, cfg.batch_size, T, 0, world, model_config.vocab_size)
-        except (ValueError, OSError) as e:
-            worker.say(f"dry run: note: {e} (the launch's machines need it; not checked further here)")
-        accum = max(1, cfg.total_batch_size // (cfg.batch_size * T * world))
-        fake = fake_tensors()
-        model, eval_model, train_model, optimizers = recipe.build_model(cfg, model_config, worker, storage=fake)
-        # causal attention: the memory of FlexAttention's document masks on a GPU (no T x T scores), above
-        run = recipe.Run(replace(cfg, doc_mask=False), worker, accum, model, eval_model, train_model, optimizers, None,
-                         {})
-        peaks, where = trace(run, recipe.train_step, fake)
+            model_config = recipe.split_config({**recipe.ALL_DEFAULTS, **given})[1]
+            micro = cfg.batch_size * model_config.block_size * world  # in steps of whole micro-steps
+            cfg = replace(cfg, total_batch_size=max(1, cfg.total_batch_size // micro) * micro)
+        with stand_in_data(cfg, model_config.block_size, world, worker.say) as data_dir:
+            fake = fake_tensors()
+            try:
+                run = recipe.build(replace(cfg, data_dir=data_dir), model_config, worker, storage=fake)
+            except (ValueError, OSError) as e:  # a check of the build: the launch's line
+                errors.append(str(e))
+                return False
+            # causal attention: the memory of FlexAttention's document masks on a GPU (no T x T scores), above; the
+            # evaluation of one global batch: each holds as much
+            run.cfg = replace(run.cfg, doc_mask=False, eval_tokens=world * cfg.batch_size * model_config.block_size)
+            peaks, where = trace(run, recipe, fake)
         lines, fits = report(peaks, world, cfg.gpu_memory, where, cfg.fsdp,
-                             muon_owners(optimizers, world) if cfg.fsdp else None)
+                             muon_owners(run.optimizers, world) if cfg.fsdp else None)
         for line in lines:
             worker.say(line)
     except Exception as e:  # what the launch would hit in its first step, said in one line
@@ -84,14 +95,32 @@ def launch(recipe, given, cfg):
         fits = False
     finally:
         end(worker)
-    for e in errors:
-        worker.say(f"dry run: error: {e}")
+        for e in errors:
+            worker.say(f"dry run: error: {e}")
     return fits and not errors
 
 
-def trace(run, step, fake):
-    """Two of run's whole optimiser steps, step(run, batches), over fake tokens in fake (the fake tensors' mode), their
-    memory tracked: (rank 0's peak by kind, by_kind's; the part of the step in which it grew last)."""
+@contextlib.contextmanager
+def stand_in_data(cfg, block_size, world, say):
+    """The data folder the dry run's build reads: the launch's, when it is here; else, said in one line, a stand-in
+    of its layout in a temporary folder (a train and a val shard of one step's tokens, or one global batch's if more,
+    each token 0), which the launch's checks of its data pass as its data would."""
+    if os.path.isdir(cfg.data_dir):
+        yield cfg.data_dir
+        return
+    say(f"dry run: note: {cfg.data_dir}: not here (the launch's machines need it); built on a stand-in of its layout")
+    tokens = np.zeros(max(cfg.total_batch_size, world * cfg.batch_size * block_size) + 1, dtype=np.uint16)
+    with tempfile.TemporaryDirectory(prefix="dry_run_data.") as folder:
+        for name in ("stand_in_train_000001.bin", "stand_in_val_000000.bin"):
+            write_shard(os.path.join(folder, name), tokens)
+        yield folder
+
+
+def trace(run, recipe, fake):
+    """Two of run's whole optimiser steps, recipe.train_step(run, batches), over fake tokens in fake (the fake tensors'
+    mode), then an evaluation, recipe.log_entry's, their memory tracked: (rank 0's peak by kind, by_kind's; the part
+    of the run in which it grew last). Every model and tensor the run holds beside its model and optimisers (a
+    teacher, a part's) is tracked from the start; a .item() of the evaluation gives 1.0 (no data: ScalarStub)."""
     model, cfg = run.model, run.cfg
     with fake:  # the clip and the optimisers once, untracked: DTensor runs each new op's sharding propagation on
         for p in model.parameters():  # whole-size fake tensors once, which a tracker would count as held
@@ -100,7 +129,7 @@ def trace(run, step, fake):
         for opt in run.optimizers.values():
             opt.step()
             opt.zero_grad(set_to_none=True)
-    tracker_ = tracker(model, run.optimizers, cfg.fsdp)
+    tracker_ = tracker(model, run.optimizers, cfg.fsdp, held(run))
     peak = lambda: by_kind(tracker_.get_tracker_snapshot("peak"))[1]
     before = []  # the peak as each step's optimisers begin
     hook = next(iter(run.optimizers.values())).register_step_pre_hook(lambda *_: before.append(peak()))
@@ -113,11 +142,40 @@ def trace(run, step, fake):
 
         stepped, top = False, 0  # whether the peak grew last in an optimiser step; the peak so far
         for _ in range(2):  # every micro-step of a step, twice
-            step(run, batches())
+            recipe.train_step(run, batches())
             now = peak()
             stepped, top = now > before[-1] or (stepped and before[-1] == top), now
+        with ScalarStub():
+            tracker_.reset_mod_stats()
+            recipe.log_entry(run, {}, evaluating=True)
+        evaluated = peak() > top
     hook.remove()
-    return by_kind(tracker_.get_tracker_snapshot("peak")), "an optimiser step" if stepped else "forward and backward"
+    where = "an evaluation" if evaluated else "an optimiser step" if stepped else "forward and backward"
+    return by_kind(tracker_.get_tracker_snapshot("peak")), where
+
+
+def held(run):
+    """What the run holds beside its model and optimisers that a GPU would: its other modules (a teacher), and the
+    tensors of the parts of a fork's own class (an average of the weights), each once."""
+    mine = {id(run.model), id(run.eval_model), id(run.train_model), id(run.optimizers)}
+    found = {}
+    for value in [*vars(run).values(), *run.parts.values()]:
+        if id(value) in mine:
+            continue
+        if isinstance(value, torch.nn.Module):
+            found[id(value)] = value
+        elif hasattr(value, "state_dict") and type(value).__module__.split(".")[0] not in OWN_CLASSES:  # a fork's
+            found.update((id(t), t) for t in tensors(value.state_dict()))
+    return list(found.values())
+
+
+class ScalarStub(TorchDispatchMode):
+    """.item() of a fake tensor (which has no value) as 1.0, so that an evaluation runs to its end in the dry run."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default:
+            return 1.0 if args[0].dtype.is_floating_point else 1
+        return func(*args, **(kwargs or {}))
 
 
 def fake_worker(world_size, rank=0):
@@ -145,6 +203,14 @@ def fake_tensors():
     return FakeTensorMode(allow_non_fake_inputs=True)
 
 
+class _NoHook:
+    """The handle of a gradient hook that a frozen parameter does not take (tracker): nothing to remove."""
+
+    @staticmethod
+    def remove():
+        pass
+
+
 class _GlobalPeak:
     """torch's tracker, keeping only the peak of the whole process: its per-module peaks, which the dry run does not
     read, walk every module's stats at every op (O(layers²) a step: 348 s of CPU for the 1B's DDP dry run at 8 ranks,
@@ -157,19 +223,27 @@ class _GlobalPeak:
                 self._peak_mem_snap[dev] = copy.deepcopy(snap)
 
 
-def tracker(model, optimizers, sharded):
+def tracker(model, optimizers, sharded, others=()):
     """torch's memory tracker of the step: FSDPMemTracker for a sharded model (it follows FSDP's gathers and
     reduce-scatters; it takes one optimiser, and the others' states are counted through their step hooks, as it
-    counts its own), MemTracker otherwise (every optimiser through torch's global step hooks)."""
+    counts its own), MemTracker otherwise (every optimiser through torch's global step hooks). others: modules and
+    tensors held beside them, counted from the start."""
     # imported here: they import dynamo, which no run but a dry one should pay for (~2 CPU-s a process)
     from torch.distributed._tools import FSDPMemTracker, MemTracker
     from torch.distributed._tools.fsdp2_mem_tracker import _FSDPRefType
     if not sharded:
         t = type("MemTracker", (_GlobalPeak, MemTracker), {})()
-        t.track_external(model, *optimizers.values())
+        # torch's tracker hooks every parameter's gradient, which a frozen one (anchor_frozen's, a teacher's) refuses:
+        # none is hooked, as it has no gradient to count
+        modules = [m for m in (model, *others) if isinstance(m, torch.nn.Module)]
+        t._param_to_grad_hook_handles.update((p, (_NoHook, _NoHook)) for m in modules for p in m.parameters()
+                                             if not p.requires_grad)
+        t.track_external(model, *optimizers.values(), *others)
         return t
     first, *rest = optimizers.values()
     t = type("FSDPMemTracker", (_GlobalPeak, FSDPMemTracker), {})(model, first)
+    if others:
+        t.track_external(*others)
 
     def after(opt, *_):
         t._track_optimizer_states(_FSDPRefType.OPT, opt)

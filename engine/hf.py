@@ -5,14 +5,14 @@ AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True), and that ever
 
 A folder (convert.py --to_hf DIR) holds:
     model.safetensors        GPT's state dict (fp32) under its own keys; the metadata's "exoformer" entry, a JSON
-                             string, holds the checkpoint's step, training config and source note (the rest of
-                             checkpoint.WEIGHTS), so that the folder converts back to the same checkpoint
+                             string, holds the checkpoint's step, training config, tokenizer and source note (the
+                             rest of checkpoint.WEIGHTS), so that the folder converts back to the same checkpoint
     config.json              GPTConfig's fields, and what transformers reads: model_type, auto_map (the classes of
                              modeling_exoformer.py), tie_word_embeddings false (lm_head is untied), the token ids
     model.py, modeling_exoformer.py   this repository's model, copied as it is, and transformers' thin wrapper over it
     generation_config.json   <|endoftext|> ends generation; the rows past the tokenizer's ids (vocab_size padding)
                              are suppressed, as sample.py never samples them
-    tokenizer.json, tokenizer_config.json   the BPE of the tiktoken ranks (GPT-2's, or --tokenizer's), for
+    tokenizer.json, tokenizer_config.json   the BPE of the tiktoken ranks (the checkpoint's, or --tokenizer's), for
                              transformers' tokenizers library: it encodes as data.load_encoding does
     README.md                the model card: variant, training tokens, final validation loss, citation
 Nothing in it is a pickle: safetensors holds raw tensors and a JSON header, and reading it runs no code.
@@ -26,7 +26,7 @@ import shutil
 import struct
 from dataclasses import asdict, fields
 
-from engine.data import GPT2_PATTERN
+from engine.data import EOT_TEXT, GPT2_PATTERN
 from engine.files import atomic_write
 from model import GPTConfig
 
@@ -38,7 +38,6 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)  # the repository: model.py
 HF_URL = "https://huggingface.co"  # the Hub; HF_ENDPOINT (huggingface_hub's variable) names a mirror
 HUB_CACHE = "data/hub"  # where Hub folders are downloaded: HUB_CACHE/OWNER/NAME/
-EOT_TEXT = "<|endoftext|>"
 MODEL_CLASSES = {"AutoConfig": "modeling_exoformer.ExoFormerConfig",
                  "AutoModelForCausalLM": "modeling_exoformer.ExoFormerForCausalLM"}
 CITATION = """@article{su2026exoformer,
@@ -78,7 +77,7 @@ def export(ckpt, folder, enc, card):
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
     try:
-        extra = {k: ckpt[k] for k in ("step", "config", "source") if k in ckpt}
+        extra = {k: ckpt[k] for k in ("step", "config", "tokenizer", "source") if k in ckpt}
         safetensors.save_file(own_storage(ckpt["model"]), os.path.join(tmp, WEIGHTS),
                               metadata={"format": "pt", "exoformer": json.dumps(extra)})
         umask = os.umask(0o22)

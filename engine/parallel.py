@@ -135,6 +135,23 @@ class Worker:
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return t.item() > 0
 
+    def agree(self, error):
+        """Of every rank's error (an exception, or None), the first by rank, the same on every rank; None when none
+        failed. A collective: every rank asks (files.agreed)."""
+        if not self.distributed:
+            return error
+        errors = [None] * self.world_size
+        dist.all_gather_object(errors, error)
+        return next((e for e in errors if e is not None), None)
+
+    def from_master(self, value):
+        """Rank 0's value (any picklable one) on every rank; the others' are ignored. A collective (files.decided)."""
+        if not self.distributed:
+            return value
+        sent = [value]
+        dist.broadcast_object_list(sent, src=0)
+        return sent[0]
+
     def sum(self, t):
         """t summed over the ranks (in place; a no-op in one process)."""
         if self.distributed:

@@ -13,13 +13,17 @@ A resumed run first drops what came after its checkpoint's step, so the log read
 import json
 import os
 
-import torch
 import torch.distributed as dist
 
-from engine.checkpoint import is_branch
+from engine.checkpoint import is_branch, tensors
+from engine.data import describe_tokenizer
 from engine.files import atomic_write, read_jsonl
 from model import flops_per_token
 from optim import describe_optimizers, state_floats
+
+# what the console line says in its own words, with each optimiser's <name>_lr; any other number of an entry (a
+# fork's metric) follows the validation loss, as `name value`
+SAID = {"step", "train_loss", "val_loss", "grad_norm", "step_ms", "tok_per_s", "mfu", "epoch"}
 
 
 def log_path(out_dir):
@@ -94,9 +98,11 @@ class Log:
         if "epoch" in entry:  # this step's batch began the data again from the first shard
             self.say(f"step {entry['step']}: end of the train data, wrapping around to its start: epoch "
                      f"{entry['epoch']} begins")
-        val = f"val {entry['val_loss']:.4f}" if "val_loss" in entry else ""
+        said = SAID | {f"{name}_lr" for name in run.optimizers}  # a fork's numbers follow the validation loss
+        val = " | ".join(([f"val {entry['val_loss']:.4f}"] if "val_loss" in entry else []) + [
+            f"{k} {v:.4g}" for k, v in entry.items() if k not in said and isinstance(v, (int, float))])
         if "train_loss" not in entry:  # step 0
-            self.say(f"step {entry['step']}: {val.replace('val', 'val loss')}")
+            self.say(f"step {entry['step']}: {val.replace('val', 'val loss', 1)}")
         else:
             first, *others = [(name, entry[f"{name}_lr"]) for name in run.optimizers]
             lrs = f"lr {first[1]:.2e}" + (f" ({', '.join(f'{n} {lr:.2e}' for n, lr in others)})" if others else "")
@@ -115,7 +121,8 @@ class Log:
         changed = {k: v for k, v in run.flat_config().items() if v != self.defaults[k]}
         self.say("config, where it differs from the defaults (log.jsonl has all of it): " +
                  (", ".join(f"{k}={v!r}" for k, v in changed.items()) or "none"))
-        self.say(describe_optimizers(run.optimizers, run.model))
+        never_trained = ["anchor_proj.weight"] if run.model.config.anchor_frozen else []  # GPTConfig.anchor_frozen's
+        self.say(describe_optimizers(run.optimizers, run.model, never_trained))
         if run.step:
             branch = f" (a branch, into {cfg.out_dir})" if is_branch(run.started_from, cfg.out_dir) else ""
             self.say(f"resuming from {run.started_from} at step {run.step}{branch}")
@@ -131,11 +138,21 @@ class Log:
         planned, available = cfg.max_steps * cfg.total_batch_size, run.loader.tokens_per_epoch
         self.say(f"data: {cfg.max_steps:,} steps x {cfg.total_batch_size:,} tokens = {planned:,} tokens planned; "
                  f"{cfg.data_dir} has {available:,} usable train tokens: {planned / available:.2f} epochs"
-                 + (" (the data repeats)" if planned > available else ""))
+                 + (" (the data repeats)" if planned > available else "")
+                 + f"; its tokenizer: {describe_tokenizer(run.tokenizer)}" + unused_rows(run))
         if worker.master:
             kept = (cfg.max_steps // cfg.keep_every - run.step // cfg.keep_every) if cfg.keep_every else 0
             full = sum(s > run.step for s in cfg.keep_full)
             self.say(disk_plan(run.ckpt_path, run.parts, cfg.ckpt_interval, kept, cfg.keep_every, full))
+
+
+def unused_rows(run):
+    """", N of the model's vocab_size=V rows no token of the data's tokenizer uses" where they are more than padding
+    to a multiple of 128 leaves (GPTConfig.vocab_size's, for GPT-2's tokens): a vocabulary sized for another tokenizer;
+    else nothing."""
+    vocab = run.model.config.vocab_size
+    unused = vocab - run.tokenizer["n_vocab"] if run.tokenizer else 0
+    return f", {unused:,} of the model's vocab_size={vocab:,} rows no token of it uses" if unused >= 128 else ""
 
 
 def step_seconds(times, n):
@@ -168,12 +185,3 @@ def disk_plan(path, parts, ckpt_interval, kept=0, keep_every=0, full=0):
             (f"; {full} resumable ckpt_<step>_full{os.path.splitext(path)[1]} (keep_full): {gb(full * resume)} more"
              if full else "") +
             f"; {gb(stat.f_bavail * stat.f_frsize)} free there")
-
-
-def tensors(state):
-    """The tensors of a nested state dict."""
-    for value in state.values():
-        if isinstance(value, dict):
-            yield from tensors(value)
-        elif torch.is_tensor(value):
-            yield value

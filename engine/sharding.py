@@ -28,7 +28,8 @@ import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import optim
-from engine.files import DamagedError, HashingWriter, atomic_write, check_entry, fsync_dir, verify_zip
+from engine.files import (DamagedError, HashingWriter, WholeReads, agreed, atomic_write, check_entry, fsync_dir, note,
+                          share, verify_zip)
 from model import GPTConfig, check_state
 
 # torch's FSDP, DTensor and DCP are imported by the functions here that use them: importing them costs about 1 CPU-s
@@ -238,13 +239,15 @@ class Exchange(optim.Exchange):
 # (a DTensor for what is sharded, as the model's parameters are; any other tensor the same on every rank: one copy is
 # kept) or JSON values (rank 0's are kept); before its load_state_dict, its state_dict() already holds tensors of the
 # saved shapes, which DCP loads into. DCP reshards on load: any number of ranks, or one process without FSDP, reads
-# it. It holds only tensors, which DCP reads without unpickling; its .metadata is a pickle of DCP's own, unpickled by
-# DCP, which is why read_state first reads it with an unpickler that knows only DCP's metadata classes.
+# it. It holds only tensors, which DCP reads without unpickling; its .metadata is a pickle of DCP's own, which DCP
+# would unpickle as it is: read_state reads it once, with an unpickler that knows only DCP's metadata classes, and
+# restore hands DCP what it read.
 # Every file of it is listed in its manifest.json, with its size, counted as it is written (each rank's DCP files
 # through _hashing, gathered to rank 0, which writes the manifest last), and the sha256 of the small ones
 # (.metadata, state.json), hashed as they are written. A .distcp file needs none: DCP writes each of its tensors
 # with torch.save, whose zip holds a CRC-32 of every entry, so that checking them adds nothing to a write. Every
-# read verifies every file first (verify).
+# read verifies every file first (verify); under torchrun the ranks share the check of the tensors, each about
+# 1/world_size of their bytes, and agree on the verdict before any of them reads a tensor.
 STATE_FILE = "state.json"
 MANIFEST = "manifest.json"
 DCP_GLOBALS = {("torch.distributed.checkpoint.metadata", name) for name in (
@@ -261,13 +264,15 @@ class _MetadataUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"{module}.{name} is not one of DCP's metadata classes")
 
 
-def _metadata(path):
-    """The DCP metadata of a sharded checkpoint, read with _MetadataUnpickler; a one-line error if it is not one,
-    or if it holds anything but tensors."""
+def _metadata(path, data=None):
+    """The DCP metadata of a sharded checkpoint, read with _MetadataUnpickler (data: its bytes, read already); a
+    one-line error if it is not one, or if it holds anything but tensors."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
     try:
-        with open(os.path.join(path, ".metadata"), "rb") as f:
-            metadata = _MetadataUnpickler(f).load()
+        if data is None:
+            with open(os.path.join(path, ".metadata"), "rb") as f:
+                data = f.read()
+        metadata = _MetadataUnpickler(io.BytesIO(data)).load()
     except (OSError, pickle.UnpicklingError, EOFError, AttributeError, ValueError) as e:
         raise ValueError(f"{path}: not a sharded checkpoint of train.py ({e})") from None
     other = [k for k, v in metadata.state_dict_metadata.items() if not isinstance(v, TensorStorageMetadata)]
@@ -276,21 +281,52 @@ def _metadata(path):
     return metadata
 
 
-def _dcp_load(state, path, alone=False):
+def _dcp_load(state, path, alone=False, metadata=None):
     """dcp.load of path into the tensors of state, in place: by all the ranks of the process group, or in this
-    process alone (alone=True, or without a group), which DCP warns of though it is what is meant."""
+    process alone (alone=True, or without a group), which DCP warns of though it is what is meant. metadata: its
+    .metadata as read_state read and checked it, which DCP then neither reads nor unpickles again."""
     import torch.distributed.checkpoint as dcp
+    reader = dcp.FileSystemReader(path)
+    reader.fs = _whole_reads(reader.fs)
+    if metadata is not None:
+        reader.read_metadata = lambda *args, **kwargs: metadata
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is (disabled|unavailable)")
-        dcp.load(state, checkpoint_id=path, no_dist=alone or not dist.is_initialized())
+        dcp.load(state, storage_reader=reader, no_dist=alone or not dist.is_initialized())
 
 
-def verify(path):
+def verify(path, worker=None):
     """Every file of a sharded checkpoint checked against its manifest before DCP reads any of it: its size, and
     the sha256 of .metadata and state.json; then, as .metadata places them, every tensor's torch.save'd zip in the
     .distcp files, against its CRC-32s (which must cover each file whole). A DamagedError names the file (and the
     tensor); a file the manifest does not list is one too. A checkpoint written before manifests has none: a note
-    says it cannot be verified."""
+    says it cannot be verified. Returns (its metadata, state.json's bytes): each read once, and checked as read.
+    worker (a parallel.Worker; None: one process): the ranks share the tensors' check, each reading about
+    1/world_size of their bytes (files.share), and agree on the verdict, the same on every rank (files.agreed)."""
+    return agreed(lambda: _verify(path, worker), worker)
+
+
+def _verify(path, worker):
+    """verify's checks on this rank: its share of the tensors', and all the others (sizes; the small files, which
+    each rank reads)."""
+    expected = _manifest(path, worker)
+    if expected is not None:
+        extra = sorted(set(os.listdir(path)) - set(expected) - {MANIFEST})
+        if extra:
+            raise DamagedError(f"{os.path.join(path, extra[0])}: not in {MANIFEST}: not a file written with this "
+                               f"checkpoint (or the manifest is damaged)")
+        for name in sorted(expected):
+            check_entry(os.path.join(path, name), expected[name], os.path.join(path, MANIFEST), hashes=False)
+    metadata, state = (_read_listed(path, name, expected) for name in (".metadata", STATE_FILE))
+    metadata = _metadata(path, metadata)
+    if expected is not None:
+        _verify_tensors(path, expected, metadata, worker)
+    return metadata, state
+
+
+def _manifest(path, worker=None):
+    """A sharded checkpoint's manifest.json, {name: {"bytes"(, "sha256")}}; None for one written before manifests
+    (with a note, rank 0's), a DamagedError if it is missing though state.json says it was written, or damaged."""
     listing = os.path.join(path, MANIFEST)
     if not os.path.exists(listing):
         try:
@@ -301,36 +337,53 @@ def verify(path):
         if written:
             raise DamagedError(f"{listing}: missing, though {STATE_FILE} says it was written")
         if os.path.isdir(path):
-            print(f"note: {path}: no {MANIFEST} (written before checksums): its bytes cannot be verified",
-                  file=sys.stderr, flush=True)
-        return
+            note(f"note: {path}: no {MANIFEST} (written before checksums): its bytes cannot be verified", worker)
+        return None
     try:
         with open(listing) as f:
             files = json.load(f)["files"]
-        expected = {name: {"bytes": int(e["bytes"]), **({"sha256": str(e["sha256"])} if "sha256" in e else {})}
-                    for name, e in files.items()}
+        return {name: {"bytes": int(e["bytes"]), **({"sha256": str(e["sha256"])} if "sha256" in e else {})}
+                for name, e in files.items()}
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         raise DamagedError(f"{listing}: damaged: not the manifest written with it ({type(e).__name__}: {e})") from None
-    extra = sorted(set(os.listdir(path)) - set(expected) - {MANIFEST})
-    if extra:
-        raise DamagedError(f"{os.path.join(path, extra[0])}: not in {MANIFEST}: not a file written with this "
-                           f"checkpoint (or the manifest is damaged)")
-    for name in sorted(expected):
-        check_entry(os.path.join(path, name), expected[name], listing)
+
+
+def _read_listed(path, name, expected):
+    """The bytes of the small file name of a sharded checkpoint, checked against its manifest entry (expected: the
+    manifest, None for a checkpoint written before manifests) as they are read; None if it cannot be read (read_state
+    says why)."""
+    try:
+        with open(os.path.join(path, name), "rb") as f:
+            data = f.read()
+    except OSError:
+        data = None
+    if expected is not None and name in expected:
+        check_entry(os.path.join(path, name), expected[name], os.path.join(path, MANIFEST), data=data)
+    return data
+
+
+def _verify_tensors(path, expected, metadata, worker):
+    """Each tensor's zip in the .distcp files, at the places metadata gives, against its CRC-32s: this rank's share
+    of them (files.share); that they cover each file whole, on every rank (metadata alone)."""
     items = {}  # each .distcp file's tensors, as (offset, length, name)
-    for index, info in _metadata(path).storage_data.items():
+    for index, info in metadata.storage_data.items():
         items.setdefault(info.relative_path, []).append((info.offset, info.length, index.fqn))
+    tensors = []  # (file, offset, length, name), in the files' order
     for name in sorted(n for n in expected if "sha256" not in expected[n]):
         end = 0
-        with open(os.path.join(path, name), "rb") as f:
-            for offset, length, fqn in sorted(items.get(name, [])):
-                if offset != end:
-                    break
-                verify_zip(_Slice(f, offset, length), f"{os.path.join(path, name)}: {fqn}")
-                end = offset + length
+        for offset, length, fqn in sorted(items.get(name, [])):
+            if offset != end:
+                break
+            tensors.append((name, offset, length, fqn))
+            end = offset + length
         if end != expected[name]["bytes"]:
             raise DamagedError(f"{os.path.join(path, name)}: its tensors, as .metadata places them, do not cover "
                                f"its {expected[name]['bytes']} bytes (a damaged .metadata, or not its file)")
+    mine = [tensors[i] for i in share([length for _, _, length, _ in tensors], worker)]
+    for name in sorted({name for name, *_ in mine}):
+        with WholeReads(os.path.join(path, name)) as f:
+            for _, offset, length, fqn in (t for t in mine if t[0] == name):
+                verify_zip(_Slice(f, offset, length), f"{os.path.join(path, name)}: {fqn}")
 
 
 class _Slice(io.RawIOBase):
@@ -381,28 +434,49 @@ def _hashing(fs):
     return fs
 
 
-def read_state(path):
-    """Everything but the tensors of a sharded checkpoint (its state.json), marked with "sharded": path; restore
-    puts its tensors into a model and its optimisers. Every file is verified first (verify)."""
-    verify(path)
-    _metadata(path)
+def _whole_reads(fs):
+    """DCP's file system fs, each file it reads opened as files.WholeReads: DCP seeks to each tensor and torch.loads
+    it, and the buffer of Python's open() reads ahead at each seek (a tensor's few kB at the quick start's size read
+    about twice over)."""
+    create_stream = fs.create_stream
+
+    @contextlib.contextmanager
+    def opened(path, mode):
+        if mode != "rb":
+            with create_stream(path, mode) as stream:
+                yield stream
+            return
+        with WholeReads(path) as stream:
+            yield stream
+
+    fs.create_stream = opened
+    return fs
+
+
+def read_state(path, worker=None):
+    """Everything but the tensors of a sharded checkpoint (its state.json), marked with "sharded": path, and its
+    metadata (DCP's, under "sharded_metadata": what restore gives DCP); restore puts its tensors into a model and its
+    optimisers. Every file is verified first (verify; worker: by the ranks together)."""
+    metadata, data = verify(path, worker)
     try:
-        with open(os.path.join(path, STATE_FILE)) as f:
-            state = json.load(f)
+        if data is None:
+            raise OSError("cannot be read")
+        state = json.loads(data)
     except (OSError, ValueError) as e:
         raise ValueError(f"{path}: no readable {STATE_FILE} ({e})") from None
-    return {**state, "sharded": path}
+    return {**state, "sharded": path, "sharded_metadata": metadata}
 
 
 def load_whole(path, keys=("model", "model_config")):
     """A sharded checkpoint read whole into one process (no process group), as checkpoint.load_checkpoint returns a
     ckpt.pt: state.json's entries, each part's tensors in place (the optimisers' states by parameter name), the
     model's always, the others' with their name in keys."""
-    state, metadata = read_state(path), _metadata(path)
+    state = read_state(path)
+    metadata = state.pop("sharded_metadata")
     wanted = {"model"} | set(keys)
     tensors = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in metadata.state_dict_metadata.items()
                if k.split(".", 1)[0] in wanted}
-    _dcp_load(tensors, path, alone=True)
+    _dcp_load(tensors, path, alone=True, metadata=metadata)
     for key, tensor in tensors.items():  # each back where it was in its part's nested state (DCP's planner_data)
         *route, leaf = metadata.planner_data[key]
         node = state
@@ -537,16 +611,16 @@ def restore(ckpt, parts):
     current = {name: _state_dict(part, model) for name, part in parts.items()}
     if "parts" in ckpt:
         tensors = {name: _split(state)[0] for name, state in current.items()}
-        _dcp_load(tensors, ckpt["sharded"])
+        _dcp_load(tensors, ckpt["sharded"], metadata=ckpt.get("sharded_metadata"))
         saved = {name: _merge(tensors[name], ckpt.get(name, {})) for name in parts}
     else:
         saved = _earlier(ckpt, current, optimizers)
     for name, part in parts.items():
         if part is model:
             set_model_state_dict(model, saved[name])
-        elif name in optimizers:
-            for o, opt in part.items():
-                set_optimizer_state_dict(model, opt, saved[name][o])
+        elif name in optimizers:  # by name, their groups' factors checked (Optimizers.named)
+            for o, state in part.named(saved[name]).items():
+                set_optimizer_state_dict(model, part[o], state)
         else:
             part.load_state_dict(saved[name])
 
@@ -556,7 +630,7 @@ def _earlier(ckpt, current, optimizers):
     the optimisers (their tensors under their parameters' names, their param_groups in one list), loader and rng."""
     flat = {fqn: t for name in optimizers for o in current[name].values() for fqn, t in _split(o["state"])[0].items()}
     tensors = {"model": current["model"], "optimizers": flat}
-    _dcp_load(tensors, ckpt["sharded"])
+    _dcp_load(tensors, ckpt["sharded"], metadata=ckpt.get("sharded_metadata"))
     saved = {"model": tensors["model"], "loader": ckpt["loader"], "rng": ckpt["rng"]}
     for name in optimizers:
         saved[name] = {o: {"state": {fqn: flat[fqn] for fqn in s["state"]},
@@ -607,14 +681,15 @@ def save_weights(path, model, header, master):
 def export(src, out, source):
     """The weights-only checkpoint of a sharded checkpoint directory src, in one process without the model in
     memory: DCP reads each tensor's shards straight into out (write_streamed). Returns its state.json's entries."""
-    state, metadata = read_state(src), _metadata(src)
+    state = read_state(src)
+    metadata = state.pop("sharded_metadata")
     shapes = {k[len("model."):]: (m.size, m.properties.dtype) for k, m in metadata.state_dict_metadata.items()
               if k.startswith("model.")}
     check_state(GPTConfig.from_dict(state["model_config"], f"{src}: model_config"),
                 {k: torch.empty(shape, device="meta") for k, (shape, _) in shapes.items()}, src)
     header = {"model_config": state["model_config"], "step": state["step"], "config": state["config"],
-              "source": source}
-    write_streamed(out, header, shapes, lambda mapped: _dcp_load({"model": mapped}, src, alone=True))
+              "tokenizer": state.get("tokenizer"), "source": source}
+    write_streamed(out, header, shapes, lambda mapped: _dcp_load({"model": mapped}, src, alone=True, metadata=metadata))
     return state
 
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from engine.checkpoint import load_model
-from engine.data import write_shard
+from engine.data import read_tokenizer, write_shard
 from model import EOT, GPT, GPTConfig
 from tools import analyze as an
 
@@ -307,8 +307,8 @@ def test_cli_without_matplotlib(tmp_path, data_dir, monkeypatch, capsys):
 
 
 @pytest.mark.parametrize("case", ["missing_ckpt", "bad_ckpt", "missing_data", "no_val_shard", "bad_shard",
-                                  "few_tokens"])
-def test_bad_input_fails_before_any_work(tmp_path, data_dir, case):
+                                  "few_tokens", "another_tokenizer"])
+def test_bad_input_fails_before_any_work(tmp_path, data_dir, enc_file, case):
     good = save(tmp_path / "good" / "ckpt.pt", GPT(GPTConfig(**TINY)))
     ckpts, data, tokens = [good], data_dir, "64"
     if case == "missing_ckpt":  # the second checkpoint is bad: the first one is not analysed either
@@ -326,6 +326,9 @@ def test_bad_input_fails_before_any_work(tmp_path, data_dir, case):
         os.makedirs(data)
         name = os.path.join(data, "t_val_000000.bin")
         open(name, "wb").write(open(os.path.join(data_dir, "t_val_000000.bin"), "rb").read()[:-2])
+    elif case == "another_tokenizer":  # trained on data of the tests' tokenizer: data that records none is GPT-2's
+        ckpts.append(name := save(tmp_path / "mine" / "ckpt.pt", GPT(GPTConfig(**TINY)),
+                                  tokenizer=read_tokenizer(enc_file)))
     else:
         tokens, name = "8", "--tokens 8"
     out = tmp_path / "out"

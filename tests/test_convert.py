@@ -434,7 +434,7 @@ def test_export_of_our_checkpoint_is_weights_only(data_dir, tmp_path, enc_file, 
     assert {"optimizers", "loader", "rng"} <= set(full)
     summary = convert.main([str(run / "ckpt.pt"), "--out", str(export / "ckpt.pt")])
     small = torch.load(export / "ckpt.pt", weights_only=True)
-    assert set(small) == {"model", "model_config", "step", "source", "config"} and small["step"] == 2
+    assert set(small) == {"model", "model_config", "step", "source", "config", "tokenizer"} and small["step"] == 2
     assert all(torch.equal(small["model"][k], v) for k, v in full["model"].items())
     assert summary["bytes_out"] < summary["bytes_in"] / 2  # the optimiser state was most of it
     # train.py --eval_only and eval.py read the export as they read the training checkpoint

@@ -44,6 +44,57 @@ def test_the_shipped_tokenizer_is_tiktokens_gpt2(offline):
     assert "gpt2.tiktoken" in licence and "Modified MIT License" in licence and "Copyright (c) 2019 OpenAI" in licence
 
 
+def test_a_ranks_file_of_ones_own_is_a_file_like_any_other_for_git():
+    """A fork's ranks file in tokenizer/ is committed as any file (issue 50: `*.tiktoken` was ignored, and a new one
+    needed `git add -f`); the shipped ones are tracked."""
+    assert subprocess.run(["git", "check-ignore", "-q", "tokenizer/mine.tiktoken"], cwd=ROOT).returncode == 1
+    tracked = subprocess.run(["git", "ls-files", "tokenizer"], cwd=ROOT, capture_output=True, text=True).stdout.split()
+    assert {"tokenizer/gpt2.tiktoken", "tokenizer/bytes.tiktoken"} <= set(tracked)
+
+
+@pytest.mark.quick
+def test_a_ranks_file_rewritten_in_place_tokenises_with_its_new_contents(enc_file, tmp_path, monkeypatch):
+    """Issue 50's "done when": a ranks file is read anew at every load, never through tiktoken's cache keyed by its
+    path (data-gym-cache, here in a folder of its own, filled by tiktoken's loader first): rewritten from the tests'
+    291 tokens to the 256 bytes, the same path gives the new tokens, <|endoftext|> 256, and a new recorded sha256."""
+    from tiktoken.load import load_tiktoken_bpe
+    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path / "cache"))
+    path = tmp_path / "mine.tiktoken"
+    path.write_bytes(open(enc_file, "rb").read())
+    assert len(load_tiktoken_bpe(str(path))) == 290  # tiktoken's loader has cached it by its path
+    before, record = data.load_encoding(str(path)), data.read_tokenizer(path)
+    path.write_bytes(open(os.path.join(ROOT, "tokenizer", "bytes.tiktoken"), "rb").read())
+    after = data.load_encoding(str(path))
+    assert (before.n_vocab, before.eot_token, after.n_vocab, after.eot_token) == (291, 290, 257, 256)
+    assert after.encode_ordinary(" the") == list(b" the") != before.encode_ordinary(" the")
+    assert data.read_tokenizer(path)["sha256"] != record["sha256"] and len(load_tiktoken_bpe(str(path))) == 290
+    assert data.load_encoding(record).encode_ordinary(" the") == before.encode_ordinary(" the")  # a record's own
+    with pytest.raises(data.DamagedError, match="its ranks' sha256 is not the recorded"):
+        data.load_encoding({**record, "ranks": record["ranks"].replace("MA==", "MQ==", 1)})
+
+
+@pytest.mark.quick
+def test_a_manifest_records_the_tokenizer_of_its_shards_and_one_folder_holds_one(enc_file, tmp_path):
+    """The manifest names the tokenizer that made a folder's shards (read_tokenizer's record: GPT-2's without its
+    ranks, which ship); adding another tokenizer's shards is refused in one line; a folder that records none (written
+    before tokenizers were) reads as None, GPT-2's assumed, and takes GPT-2's shards only."""
+    gpt2, mine = data.read_tokenizer(), data.read_tokenizer(enc_file)
+    assert "ranks" not in gpt2 and (gpt2["eot_token"], gpt2["n_vocab"]) == (50256, 50257) and mine["n_vocab"] == 291
+    entry = write_shard(tmp_path / "a_train_000001.bin", [1, 2, 3])
+    data.add_to_manifest(tmp_path, {"a_train_000001.bin": entry}, mine)
+    assert data.data_tokenizer(tmp_path) == mine and data.read_manifest(tmp_path) == {"a_train_000001.bin": entry}
+    with pytest.raises(ValueError, match=r"its shards were made by the tokenizer test.tiktoken \(291 tokens, "
+                                         r"<\|endoftext\|> 290\), not by gpt2.tiktoken \(50,257 tokens"):
+        data.add_to_manifest(tmp_path, {"b_train_000001.bin": entry}, gpt2)
+    old = tmp_path / "old"
+    old.mkdir()
+    write_shard(old / "a_train_000001.bin", [1, 2, 3])  # written before tokenizers were recorded
+    assert data.data_tokenizer(old) is None and data.data_tokenizer(tmp_path / "missing") is None
+    assert data.check_tokenizer(old, gpt2) == gpt2
+    with pytest.raises(ValueError, match="made by the tokenizer none recorded"):
+        data.check_tokenizer(old, mine)
+
+
 # ---------------------------------------------------------------- format
 
 def test_write_shard_bytes_match_the_format(tmp_path):
@@ -430,3 +481,4 @@ def test_the_corpus_is_built_only_for_a_directory_of_its_name(tmp_path):
     data.ensure_corpus(tmp_path / "data" / "mine")  # any other missing data_dir stays the reader's error
     assert not (tmp_path / "data").exists()
     assert data.is_corpus("data/stdlib") and data.is_corpus("/scratch/x/stdlib/") and not data.is_corpus("stdlib2")
+    assert data.is_corpus("data/stdlib_small") and data.is_corpus("data/stdlib-3.12") and not data.is_corpus("mystdlib")

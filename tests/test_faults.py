@@ -319,7 +319,7 @@ def test_keep_every_keeps_weights_only_checkpoints_that_every_tool_reads(data_di
     assert "; 2 weights-only ckpt_<step>.pt of ~" in capsys.readouterr().out  # the disk use, at start-up
     assert sorted(f for f in os.listdir(out) if f.startswith("ckpt_")) == ["ckpt_000002.pt", "ckpt_000004.pt"]
     kept = load_checkpoint(f"{out}/ckpt_000002.pt", ())
-    assert set(kept) == {"model", "model_config", "step", "config", "source"} and kept["step"] == 2
+    assert set(kept) == {"model", "model_config", "step", "config", "tokenizer", "source"} and kept["step"] == 2
     final = load_checkpoint(f"{out}/ckpt.pt")
     assert all(torch.equal(load_checkpoint(f"{out}/ckpt_000004.pt")["model"][k], v) for k, v in final["model"].items())
     load_model(f"{out}/ckpt_000002.pt")

@@ -2,7 +2,10 @@
 and run in this process: the changed run, stopped by a SIGTERM at an evaluation step and resumed, ends bit for bit
 as the same changed run unbroken (weights, every resumable part, the log). Beside that, what each recipe promises:
 the recipe key refused on resume, the schedule's branch refused, three named optimiser states, the EMA kept on a
-resume that leaves its key out and sharded under FSDP at 2 processes, the new metric in every evaluation's entry.
+resume that leaves its key out and sharded under FSDP at 2 processes, the new metric in every evaluation's entry,
+a byte-level vocabulary taken from its data (document masks on its <|endoftext|>, sample.py reading the checkpoint's
+tokenizer), a measure of every micro-batch, a teacher whose changed file a resume refuses and whose memory and
+missing file the dry run sees, Muon's per-layer rates kept in their ratio through the schedule.
 And the page itself: its diffs are today's (`python -m tests.test_fork` takes them again), and each recipe's quick
 check, run on a copy of the repository with the recipe applied, fails exactly the tests that the recipe names."""
 import argparse
@@ -10,6 +13,7 @@ import ast
 import contextlib
 import glob
 import importlib
+import json
 import os
 import re
 import resource
@@ -19,10 +23,12 @@ import sys
 import tempfile
 from xml.etree import ElementTree
 
+import numpy as np
 import pytest
 import torch
 
 from engine import checkpoint, sharding
+from engine.data import TOKENIZER, read_tokenizer
 from tests.test_faults import ENV, TORCHRUN, finish
 from tests.test_train import SMALL, data_dir, read_log, stopped_at  # noqa: F401  (data_dir: the toy shards fixture)
 
@@ -105,12 +111,14 @@ def regenerate():
 
 
 def fork_of(number, tmp_path):
-    """A copy of the repository's modules and configs/ with recipe `number` applied as docs/FORKING.md writes it."""
+    """A copy of the repository's modules, configs/ and tokenizer/ with recipe `number` applied as docs/FORKING.md
+    writes it."""
     fork = tmp_path / "fork"
     for name in FILES:
         os.makedirs(fork / os.path.dirname(name), exist_ok=True)
         shutil.copy(os.path.join(ROOT, name), fork / name)
-    shutil.copytree(os.path.join(ROOT, "configs"), fork / "configs")
+    for folder in ("configs", "tokenizer"):
+        shutil.copytree(os.path.join(ROOT, folder), fork / folder)
     r = subprocess.run(["git", "apply", "-"], input=recipes()[number], cwd=fork, capture_output=True, text=True)
     assert r.returncode == 0, f"docs/FORKING.md's recipe {number} does not apply: {r.stderr}"
     return fork
@@ -169,14 +177,14 @@ def stopped_and_unbroken(train, args, tmp_path, monkeypatch):
 
 @pytest.mark.quick
 def test_every_recipe_touches_one_file_and_names_the_tests_it_changes():
-    """Six recipes; each changes one file, the one its section names, and says which tests it changes (none, or
+    """Ten recipes; each changes one file, the one its section names, and says which tests it changes (none, or
     tests that pin the recipe). Every test the page names exists and says, in its docstring, that it pins the recipe;
     every test that says so is in the page's list for its kind of change, so that page and tests cannot drift."""
     found = recipes()
-    assert sorted(found) == [1, 2, 3, 4, 5, 6]
+    assert sorted(found) == list(range(1, 11))
     for number, diff in found.items():
         files = set(re.findall(r"^\+\+\+ b/(\S+)", diff, flags=re.M))
-        assert files == ({"configs/exoformer_v.py"} if number == 5 else {"train.py"}), (number, files)
+        assert files == {{5: "configs/exoformer_v.py", 7: "configs/bytes.py"}.get(number, "train.py")}, (number, files)
     by_recipe, by_kind = pinned()
     assert sorted(by_recipe) == sorted(found)
     assert list(by_kind) == ["An optimiser", "The schedule", "A new mechanism", "A resumable part"]
@@ -212,7 +220,7 @@ def failed_tests(junit):
     return len(cases), {name(c) for c in cases}, failed
 
 
-@pytest.mark.parametrize("number", [1, 2, 3, 4, 5, 6])
+@pytest.mark.parametrize("number", range(1, 11))
 def test_a_recipes_quick_check_fails_only_the_tests_it_names(number, tmp_path):
     """The quick check (the page's command), run on a copy of the repository with the recipe applied, fails exactly
     the quick tests that the recipe's `Tests it changes:` names: the tests of properties (every trained parameter in
@@ -336,6 +344,113 @@ def test_one_more_logged_metric_is_in_every_evaluation_even_the_one_a_stop_left(
         evaluated = [e for e in read_log(resumed) if "val_loss" in e]
         assert [e["step"] for e in evaluated] == [0, 3, 6]  # 3: the evaluation the stop left to the resumed run
         assert all(e["val_loss_no_anchor"] != e["val_loss"] for e in evaluated[1:])
+
+
+BYTES = os.path.join(ROOT, "tokenizer", "bytes.tiktoken")  # recipe 7's tokenizer, shipped
+
+
+@pytest.fixture(scope="module")
+def byte_data(tmp_path_factory):
+    """Toy documents of a few words, tokenised byte by byte as recipe 7 says (prepare.py --tokenize with
+    tokenizer/bytes.tiktoken, which the folder's manifest records): several documents in each 32-token window."""
+    from prepare import tokenize
+    folder = tmp_path_factory.mktemp("bytes")
+    rng = np.random.default_rng(0)
+    words = "the of and to in is was for on that with as by at from it an be".split()
+    (folder / "docs.jsonl").write_text("".join(json.dumps({"text": " ".join(rng.choice(words, rng.integers(2, 8)))})
+                                               + "\n" for _ in range(300)))
+    tokenize([str(folder / "docs.jsonl")], folder / "data", val_tokens=600, workers=1, tokenizer=BYTES)
+    return str(folder / "data")
+
+
+def test_a_byte_level_vocabulary_trains_from_its_data_and_samples_from_its_checkpoint(byte_data, tmp_path,
+                                                                                      monkeypatch, capsys):
+    """Recipe 7 (issue 50's first "done when"): byte-level data trains with no tokenizer flag, stopped and resumed
+    bit for bit; the checkpoint records the tokenizer and the model masks documents at its <|endoftext|> (256), so
+    doc_mask=True and False give other losses; sample.py decodes with it, no --tokenizer, and refuses GPT-2's ranks in
+    one line; a vocabulary without room for its 257 tokens is refused in one line."""
+    with forked(7, tmp_path) as (train, fork):
+        args = [a for a in SMALL if not a.startswith("--vocab_size")] + [str(fork / "configs" / "bytes.py")] + \
+            STEPS + [f"--data_dir={byte_data}"]
+        unbroken, _ = stopped_and_unbroken(train, args, tmp_path, monkeypatch)
+        ckpt = checkpoint.load_checkpoint(f"{unbroken}/ckpt.pt")
+        assert ckpt["tokenizer"] == read_tokenizer(BYTES) and ckpt["model_config"]["eot_token"] == 256
+        assert ckpt["model_config"]["vocab_size"] == 384
+        train.main(args + [f"--out_dir={tmp_path / 'no_mask'}", "--doc_mask=False"])
+        losses = lambda out: [e.get("train_loss", e.get("val_loss")) for e in read_log(out)]
+        assert losses(unbroken)[0] == losses(tmp_path / "no_mask")[0]  # step 0's, before any step: a mask of the
+        assert losses(unbroken)[1:] != losses(tmp_path / "no_mask")[1:]  # same windows, then each its own training
+        sample = importlib.import_module("sample")
+        capsys.readouterr()
+        out = sample.main([f"{unbroken}/ckpt.pt", "--prompt", "the of", "--num_samples", "1", "--max_new_tokens",
+                           "8"])
+        assert out[0, :6].tolist() == list(b"the of") and out.max() < 257 and "the of" in capsys.readouterr().out
+        with pytest.raises(SystemExit, match=r"^sample.py: error: --tokenizer .*gpt2.tiktoken: gpt2.tiktoken "
+                                             r"\(50,257 tokens, <\|endoftext\|> 50256\), but .*ckpt.pt was trained "
+                                             r"with bytes.tiktoken \(257 tokens, <\|endoftext\|> 256\)"):
+            sample.main([f"{unbroken}/ckpt.pt", "--tokenizer", TOKENIZER])
+        with pytest.raises(SystemExit, match=r"^train.py: error: vocab_size=256: .*'s tokenizer is bytes.tiktoken "
+                                             r"\(257 tokens, <\|endoftext\|> 256\): expected vocab_size >= 257$"):
+            train.main(args + ["--vocab_size=256", f"--out_dir={tmp_path / 'small'}"])
+
+
+def test_a_measure_of_every_micro_batch_is_in_every_step_entry_and_on_the_console(data_dir, tmp_path, monkeypatch,
+                                                                                   capsys):
+    """Recipe 8: the hook's measure, the step's highest micro-batch loss, in every step's log entry (at least the
+    mean of the step's micro-batches, train_loss, in one process), on the console line, and resumed bit for bit."""
+    with forked(8, tmp_path) as (train, _):
+        unbroken, _ = stopped_and_unbroken(train, SMALL + STEPS + [f"--data_dir={data_dir}"], tmp_path, monkeypatch)
+        steps = [e for e in read_log(unbroken) if "train_loss" in e]
+        assert len(steps) == 6 and all(e["worst_micro_loss"] >= e["train_loss"] for e in steps)
+        assert any(e["worst_micro_loss"] > e["train_loss"] for e in steps)
+        assert "| worst_micro_loss " in capsys.readouterr().out
+
+
+def test_a_teacher_resumes_exactly_and_a_changed_teacher_file_is_refused(data_dir, tmp_path, monkeypatch, capsys):
+    """Recipe 9 (issue 50's "done when": a teacher file changed between a stop and a resume is refused in one line):
+    distillation from a frozen teacher, stopped and resumed bit for bit, its file's sha256 in the checkpoint (the
+    part inputs); once the teacher is trained further, resuming the student is refused, naming the file. The dry
+    run builds the teacher: its weights count towards the peak, and a missing teacher file fails the dry run with
+    the line that stops the launch."""
+    with forked(9, tmp_path) as (train, _):
+        teacher = str(tmp_path / "teacher")
+        teacher_args = SMALL + [f"--data_dir={data_dir}", f"--out_dir={teacher}", "--seed=7"]
+        train.main(teacher_args + ["--max_steps=2"])
+        args = SMALL + STEPS + [f"--data_dir={data_dir}", f"--teacher={teacher}/ckpt.pt"]
+        unbroken, resumed = stopped_and_unbroken(train, args, tmp_path, monkeypatch)
+        ckpt = checkpoint.load_checkpoint(f"{resumed}/ckpt.pt", ("inputs",))
+        assert list(ckpt["inputs"]["sha256"]) == [f"{teacher}/ckpt.pt"]
+        assert not [k for k in ckpt["model"] if "teacher" in k]  # beside the model, never saved
+        train.main(teacher_args + ["--max_steps=3", "--init_from=auto"])  # the teacher trained one step further
+        with pytest.raises(SystemExit, match=rf"^train.py: error: {resumed}/ckpt.pt: input {teacher}/ckpt.pt: "
+                                             rf"sha256 \w+\.\.\. when the checkpoint was written, sha256 \w+\.\.\. "
+                                             rf"now: a run continues with the inputs it was saved with$"):
+            train.main(args + [f"--out_dir={resumed}", "--max_steps=8", "--init_from=auto"])
+        peaks = []  # the dry run's parameters, without the teacher and with it
+        monkeypatch.setattr(train.dryrun, "report", lambda p, *_, **__: peaks.append(p[0]["parameters"]) or ([], True))
+        for teacher_key in ([], [f"--teacher={teacher}/ckpt.pt"]):
+            train.main(SMALL + [f"--data_dir={data_dir}", "--dry_run=True", *teacher_key])
+        assert peaks[1] > peaks[0]
+        missing = str(tmp_path / "missing.pt")
+        capsys.readouterr()
+        with pytest.raises(SystemExit, match="would not fit, or would fail"):
+            train.main(SMALL + [f"--data_dir={data_dir}", "--dry_run=True", f"--teacher={missing}"])
+        assert f"dry run: error: {missing}: no such file (an input this run reads)" in capsys.readouterr().out
+        with pytest.raises(SystemExit, match=rf"^train.py: error: {missing}: no such file \(an input this run "
+                                             rf"reads\)$"):
+            train.main(SMALL + [f"--data_dir={data_dir}", f"--out_dir={tmp_path / 'x'}", f"--teacher={missing}"])
+
+
+def test_per_layer_learning_rates_keep_their_ratio_and_resume_exactly(data_dir, tmp_path, monkeypatch):
+    """Recipe 10: a Muon param group per block, block i's rate muon_lr times muon_layer_decay ** i at every step of
+    the schedule (its lr_scale), stopped and resumed bit for bit; the factors are in the checkpoint."""
+    with forked(10, tmp_path) as (train, _):
+        args = SMALL + STEPS + [f"--data_dir={data_dir}", "--muon_layer_decay=0.5"]
+        unbroken, _ = stopped_and_unbroken(train, args, tmp_path, monkeypatch)
+        saved = checkpoint.load_checkpoint(f"{unbroken}/ckpt.pt", ("optimizers",))["optimizers"]
+        groups = saved["muon"]["param_groups"]
+        last_lr = read_log(unbroken)[-1]["muon_lr"]  # the schedule's rate of the last step
+        assert [g["lr_scale"] for g in groups] == [1.0, 0.5] and [g["lr"] for g in groups] == [last_lr, last_lr / 2]
 
 
 def main(argv):

@@ -479,7 +479,7 @@ def test_the_export_of_a_sharded_model_equals_its_own_logits(tmp_path, enc_file)
         with torch.no_grad():
             assert torch.equal(model(idx)[0], result["logits"]), path
     assert set(load_checkpoint(str(tmp_path / "export.pt"), ())) == {"model", "model_config", "step", "config",
-                                                                      "source"}
+                                                                      "tokenizer", "source"}
 
 
 def test_bf16_gathers_bf16_weights_and_keeps_fp32_shards(data_dir, tmp_path):

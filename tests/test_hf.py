@@ -23,12 +23,13 @@ import eval as ev
 import sample
 from engine import hf, httpclient
 from engine.checkpoint import load_model
+from engine.data import TOKENIZER, read_tokenizer
 from model import GPT, generate
 from test_model import FAMILIES, randomize, variant
 from tests.test_convert import EXO, random_model, their_checkpoint
 from tests.test_eval import small_data
 from tests.test_prepare import Handler, server  # noqa: F401  (fixture: the local Hub, GET side)
-from tests.test_train import data_dir  # noqa: F401  (fixture: toy token shards)
+from tests.test_train import data_dir, recorded_data  # noqa: F401  (fixtures: toy token shards, and with a tokenizer)
 from tools import analyze, convert
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository
@@ -205,6 +206,14 @@ def test_round_trip_to_a_checkpoint_is_bitwise(tmp_path, enc_file, capsys):
                orig["model"].items())
     assert (back["model_config"], back["step"], back["config"]) == (orig["model_config"], 9, orig["config"])
     assert "Dynamic E-ExoFormer" in capsys.readouterr().out
+    # the folder records the tokenizer its tokenizer.json holds (the one given, for a checkpoint that records none),
+    # and a checkpoint that records one exports it with no --tokenizer, another refused in one line
+    assert back["tokenizer"] == read_tokenizer(enc_file)
+    convert.main([str(tmp_path / "back.pt"), "--to_hf", str(tmp_path / "hf2")])
+    assert hf.read_folder(str(tmp_path / "hf2"))["tokenizer"] == read_tokenizer(enc_file)
+    with pytest.raises(SystemExit, match=r"^convert.py: error: --tokenizer .*gpt2.tiktoken: .*, but .*back.pt was "
+                                         r"trained with test.tiktoken"):
+        convert.main([str(tmp_path / "back.pt"), "--to_hf", str(tmp_path / "hf3"), "--tokenizer", TOKENIZER])
 
 
 @needs_hf
@@ -212,7 +221,7 @@ def test_the_authors_checkpoint_exports_too(tf, tmp_path, enc_file):
     m = random_model(**EXO, granularity="elementwise", anchor_norm=True, dynamic=True)
     src = tmp_path / "ckpt_step:38146.pt"
     torch.save(their_checkpoint(m, "model4", "_orig_mod."), src)
-    card = convert.to_hf(str(src), str(tmp_path / "hf"), sample.load_encoding(str(enc_file)))
+    card = convert.to_hf(str(src), str(tmp_path / "hf"), str(enc_file))
     assert card["tokens"] == 38146 * 262144 and card["step"] == 38146
     idx = torch.randint(0, 57601, (1, 12))
     with torch.no_grad():
@@ -246,7 +255,8 @@ def test_the_folder_holds_no_pickle_and_loading_unpickles_nothing(tf, tmp_path, 
 
 
 @needs_hf
-def test_every_tool_reads_a_folder_and_a_hub_repository(server, tmp_path, enc_file, capsys, monkeypatch, data_dir):
+def test_every_tool_reads_a_folder_and_a_hub_repository(server, tmp_path, enc_file, capsys, monkeypatch,
+                                                        recorded_data):
     model = tiny("dyn_exo")
     folder = export(model, tmp_path / "hf", enc_file)
     for name in os.listdir(folder):
@@ -268,7 +278,8 @@ def test_every_tool_reads_a_folder_and_a_hub_repository(server, tmp_path, enc_fi
         ev.main([src, "--tokenizer", str(enc_file), "--data_dir", str(tmp_path / "data"), "--limit", "2", "--tasks",
                  "piqa", "--device", "cpu"])
         assert "average" in capsys.readouterr().out
-    res = analyze.main([folder, "--data_dir", data_dir, "--tokens", "64", "--out", str(tmp_path / "analysis")])
+    # the folder records the tokenizer it was exported with: analyze.py reads data that the same one made
+    res = analyze.main([folder, "--data_dir", recorded_data, "--tokens", "64", "--out", str(tmp_path / "analysis")])
     assert res[folder]["variant"] == "Dynamic E-ExoFormer" and res[folder]["doc_mask"] is True
     msg = sample_error(["me/none", *args])
     assert msg.startswith("sample.py: error: me/none: no such local file or folder; as a Hub repository: ") and \

@@ -1,6 +1,10 @@
 """A damaged file is never read as good: each kind of file the project writes, with one byte flipped and cut short,
 is refused in one line naming it before anything is trained or written, or skipped by --init_from=auto with its
-line. Checkpoints are made once per module (or per session: test_fsdp's) and damaged in copies."""
+line. Checkpoints are made once per module (or per session: test_fsdp's) and damaged in copies. At several ranks,
+every rank makes the same choice, even when only one of them sees the damage, and a resume reads each byte of a
+ckpt.dcp twice in all (verified once by the ranks together, then loaded), each rank a ckpt.pt once."""
+import errno
+import json
 import os
 import shutil
 import struct
@@ -8,16 +12,22 @@ import zipfile
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import prepare
 import train
-from conftest import in_process
-from engine import checkpoint, data, sharding
+from conftest import in_process, made_once, spawn
+from engine import checkpoint, data, files, sharding
 from engine.checkpoint import load_checkpoint, load_model, load_resumable
+from engine.configurator import read_args
 from engine.files import DamagedError
 from tests.test_data import library  # noqa: F401  (a fixture: a small Python library folder)
-from tests.test_fsdp import FIXTURES, stop_script, stopped  # noqa: F401  (fixtures: the 2-rank ckpt.dcp, made once)
-from tests.test_train import SMALL, data_dir  # noqa: F401  (data_dir: a fixture)
+from tests.test_faults import run
+#                                                                             ckpt.dcp, made once)
+from tests.test_fsdp import FIXTURES, _join  # noqa: F401  (fixtures: the 2-rank
+from tests.test_fsdp import args as fsdp_args
+from tests.test_fsdp import stop_script, stopped, torchrun
+from tests.test_train import SMALL, data_dir, free_port  # noqa: F401  (data_dir: a fixture)
 
 
 def damage(path, how):
@@ -186,6 +196,183 @@ def test_a_sharded_checkpoint_lists_every_file_it_wrote_and_one_written_before_m
                                       f"cannot be verified\n"
 
 
+# ----------------------------------------------------------------------------- a launch of 4 ranks
+
+class Flipping:
+    """A file whose reads of more than 1 kB (a tensor's bytes, not a header's) come with a byte flipped."""
+
+    def __init__(self, f):
+        self.f = f
+
+    def seek(self, *args):
+        return self.f.seek(*args)
+
+    def readinto(self, buffer):
+        n = self.f.readinto(buffer)
+        if n > 1024:
+            memoryview(buffer).cast("B")[n // 2] ^= 0x01
+        return n
+
+
+def hurt(how):
+    """How one rank alone is hurt as it reads: "flip", a byte of each tensor of a ckpt.pt that it reads (through
+    files.VerifyingReader) flipped, as if the file changed between its read and the others'; "eio", a read error
+    (EIO) on each tensor of a ckpt.dcp that it verifies (sharding._Slice)."""
+    if how == "flip":
+        init = files.VerifyingReader.__init__
+
+        def flipping(self, f, what):
+            init(self, f, what)
+            if what.endswith("/ckpt.pt"):
+                self.f = Flipping(f)
+
+        files.VerifyingReader.__init__ = flipping
+    else:
+        def failing(self, buffer):
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+        sharding._Slice.readinto = failing
+
+
+def rchar():
+    """The bytes this process has read so far (/proc/self/io: every read() of a file, from the page cache too)."""
+    with open("/proc/self/io") as f:
+        return int(next(line for line in f if line.startswith("rchar:")).split()[1])
+
+
+def _four_ranks_worker(rank, port, cases, runs, data_dir, corpus, result):  # noqa: F811
+    """One of 4 ranks (gloo). Each case (out_dir, init_from, sharded, how rank 1 alone is hurt): load_resumable, this
+    rank's outcome, [path, step] or ["error", its line]. Per run (name, out_dir, keys): the bytes it reads in
+    train.start (configure, build, restore) of a resume, less in that of the same run started fresh (the second of
+    each: the first imports what a start needs); and in check_data of the corpus with hashes (--verify_data=True).
+    Into result.<rank> (JSON); its stderr into result.<rank>.err."""
+    worker, outcomes, reads = _join(rank, 4, port), [], {}
+    with open(f"{result}.{rank}.err", "w") as err:
+        os.dup2(err.fileno(), 2)
+    for out, init_from, sharded, how in cases:
+        saved = files.VerifyingReader.__init__, sharding._Slice.readinto
+        if rank == 1:
+            hurt(how)
+        try:
+            ckpt, path = load_resumable(out, init_from, sharded=sharded, worker=worker)
+            outcomes.append([path, ckpt["step"]])
+        except (ValueError, OSError) as e:
+            outcomes.append(["error", str(e)])
+        files.VerifyingReader.__init__, sharding._Slice.readinto = saved
+    for name, out, keys in runs:
+        given = read_args(SMALL + [f"--data_dir={data_dir}", f"--out_dir={out}", "--batch_size=1", *keys],
+                          train.ALL_DEFAULTS)
+        read = {}
+        for init_from in ("scratch", "auto") * 2:
+            start = {**given, "init_from": init_from}
+            before = rchar()
+            train.start(start, train.TrainConfig(**{k: v for k, v in start.items() if k in train.DEFAULTS}), worker)
+            read[init_from] = rchar() - before
+        reads[name] = read["auto"] - read["scratch"]
+    before = rchar()
+    data.check_data(corpus, True, worker=worker)
+    reads["data"] = rchar() - before
+    with open(f"{result}.{rank}", "w") as f:
+        json.dump({"outcomes": outcomes, "reads": reads}, f)
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="session")
+def four_ranks(stopped, data_dir, tmp_path_factory):  # noqa: F811
+    """train.py under torchrun at 4 ranks, FSDP, --init_from=auto, in a copy of the 2-rank run stopped at step 5 whose
+    ckpt.dcp has a byte flipped in a .distcp file, beside the branch point keep_full kept (here a copy of that
+    checkpoint under keep_full's name), to step 6: its outcome (exit status, stdout, stderr: outcome.json) and its
+    run directory, which then holds the checkpoint of step 6 that 4 ranks wrote (made once, only read)."""
+    def make(folder):
+        out = folder / "run"
+        shutil.copytree(stopped, out)
+        shutil.copytree(out / "ckpt.dcp", out / "ckpt_000005_full.dcp")
+        damage(out / "ckpt.dcp" / "__1_0.distcp", "flip")
+        outcome = run(torchrun(4) + ["train.py", *fsdp_args(data_dir, str(out), "--fsdp=True", "--batch_size=1",
+                                                            "--max_steps=6")])
+        with open(folder / "outcome.json", "w") as f:
+            json.dump(outcome, f)
+
+    return made_once(tmp_path_factory, "fsdp_four_ranks", make)
+
+
+@pytest.fixture(scope="module")
+def four_gloo_ranks(run_dir, stopped, four_ranks, data_dir, corpus, tmp_path_factory):  # noqa: F811
+    """_four_ranks_worker's cases and runs at 4 ranks, spawned once for the tests that read them (made once: every
+    worker reads the same), in copies of the checkpoints and the corpus: (each rank's {"outcomes", "reads", "err":
+    its stderr}, the folder of the copies)."""
+    def make(folder):
+        pt, dcp, alone = folder / "pt", folder / "dcp", folder / "alone"
+        shutil.copytree(run_dir, pt)
+        for out in (dcp, alone):
+            shutil.copytree(stopped, out)  # ckpt.dcp of step 5
+        shutil.copy(run_dir / "ckpt.pt", dcp)  # of step 4
+        shutil.copytree(corpus, folder / "corpus")
+        cases = [(str(pt), "auto", False, "flip"), (str(pt), "resume", False, "flip"),
+                 (str(dcp), "auto", True, "eio"), (str(alone), "resume", True, "eio")]
+        runs = [("ckpt.pt", str(pt), ["--max_steps=6"]), ("ckpt.dcp", f"{four_ranks}/run", ["--fsdp=True",
+                                                                                          "--max_steps=8"])]
+        spawn(_four_ranks_worker, (free_port(), cases, runs, data_dir, str(folder / "corpus"),
+                                   str(folder / "result")), 4)
+
+    folder = made_once(tmp_path_factory, "four_gloo_ranks", make)
+    ranks = [{**json.load(open(f"{folder}/result.{rank}")), "err": open(f"{folder}/result.{rank}.err").read()}
+             for rank in range(4)]
+    return ranks, folder
+
+
+def test_a_damaged_byte_or_a_read_error_that_one_rank_alone_sees_leads_every_rank_to_the_same_choice(
+        four_gloo_ranks):
+    """4 ranks, rank 1 alone hurt as it reads: a byte of ckpt.pt changed for it skips ckpt.pt on every rank for the
+    branch point of step 2 (auto; rank 0 says so, once), and refuses it on every rank, in the same line (resume); a
+    read error in its share of a ckpt.dcp's check passes it over, on every rank, for the ckpt.pt beside it (auto), and
+    refuses it on every rank (resume)."""
+    ranks, folder = four_gloo_ranks
+    outcomes = [r["outcomes"] for r in ranks]
+    assert all(o == outcomes[0] for o in outcomes), outcomes
+    (skip, step), (refused, why), (other, later), (refused_dcp, why_dcp) = outcomes[0]
+    assert [skip, step, other, later] == [f"{folder}/pt/ckpt_000002_full.pt", 2, f"{folder}/dcp/ckpt.pt", 4]
+    assert refused == refused_dcp == "error"
+    one_line(why, f"{folder}/pt/ckpt.pt: damaged: entry ")
+    assert "its bytes do not match the CRC-32" in why
+    assert one_line(why_dcp, f"{folder}/alone/ckpt.dcp/__").endswith(
+        f"damaged: [Errno {errno.EIO}] {os.strerror(errno.EIO)}")
+    assert [r["err"].count("note: --init_from=auto: skipped") for r in ranks] == [1, 0, 0, 0], ranks
+
+
+def test_a_flipped_byte_in_one_distcp_file_at_4_ranks_resumes_the_kept_full_checkpoint_and_says_so_once(four_ranks):
+    """--init_from=auto at 4 ranks, a byte of a .distcp file of ckpt.dcp flipped: one note, on rank 0's stderr, that
+    it skips ckpt.dcp, and the run goes on from the branch point of keep_full, resharded from 2 ranks to 4, to the
+    end (exit status 0)."""
+    code, stdout, stderr = json.load(open(f"{four_ranks}/outcome.json"))
+    out = f"{four_ranks}/run"
+    assert code == 0, stderr[-3000:]
+    skipped = [line for line in stderr.splitlines() if "skipped" in line]
+    assert len(skipped) == 1 and skipped[0].startswith(f"note: --init_from=auto: skipped {out}/ckpt.dcp/__1_0.distcp: "
+                                                       ) and ": damaged: entry " in skipped[0], stderr[-3000:]
+    assert f"resuming from {out}/ckpt_000005_full.dcp at step 5" in stdout
+    assert sharding.read_state(f"{out}/ckpt.dcp")["step"] == 6
+
+
+def test_a_resume_at_4_ranks_reads_a_ckpt_pt_once_a_rank_and_a_ckpt_dcp_twice_in_all(four_gloo_ranks, four_ranks):
+    """Counted as a user would (/proc/self/io), a resume less a fresh start, summed over 4 ranks: a ckpt.pt under DDP
+    read once by each rank (verified in the read that loads it), 4 S; a ckpt.dcp of 4 ranks under FSDP verified once
+    by the ranks together, then loaded, 2 S, and the small files that every rank reads (.metadata, state.json, the
+    manifest); --verify_data=True's shards hashed once in all, D, and its manifest on each rank. Besides: the zip
+    directories, of ckpt.pt and of each tensor of a .distcp file (1.8 kB each: at this size, 0.4 S)."""
+    ranks, folder = four_gloo_ranks
+    read = {name: sum(r["reads"][name] for r in ranks) for name in ranks[0]["reads"]}
+    dcp = f"{four_ranks}/run/ckpt.dcp"
+    pt, whole = os.path.getsize(f"{folder}/pt/ckpt.pt"), {f: os.path.getsize(f"{dcp}/{f}") for f in os.listdir(dcp)}
+    small = sum(whole[f] for f in (".metadata", "state.json", "manifest.json"))
+    corpus_bytes = sum(e["bytes"] for e in data.read_manifest(f"{folder}/corpus").values())
+    tensors = len(sharding.read_state(dcp)["sharded_metadata"].storage_data)
+    assert 4 * pt <= read["ckpt.pt"] <= 4 * pt + 4 * 32768, (read, pt)
+    assert 2 * sum(whole.values()) <= read["ckpt.dcp"] <= 2 * sum(whole.values()) + 3 * small + 2 * 1024 * tensors, \
+        (read, whole, tensors)
+    assert corpus_bytes <= read["data"] <= corpus_bytes + 4 * 1024, read  # and each rank's manifest, /proc/self/io
+
+
 # ----------------------------------------------------------------------------- shards
 
 @pytest.fixture(scope="module")
@@ -209,7 +396,7 @@ def test_a_damaged_corpus_shard_is_refused_by_verify_and_by_train(corpus, how, t
     # the sizes at every start, the hashes when asked; refused before the run writes anything
     out = tmp_path / "out"
     result, _, _ = in_process(train.main, SMALL + [f"--data_dir={d}", f"--out_dir={out}", "--max_steps=1",
-                                                   "--verify_data=True"], capsys)
+                                                   "--verify_data=True", "--vocab_size=50304"], capsys)  # GPT-2's
     assert why in one_line(str(result), f"train.py: error: {shard}: ")
     assert not out.exists()
 

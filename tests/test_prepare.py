@@ -485,8 +485,23 @@ def test_stdlib_cli_builds_the_corpus_from_a_library_folder(tmp_path, capsys):
     assert not (tmp_path / "e" / "stdlib").exists()
 
 
+def test_the_built_in_corpus_takes_a_tokenizer_and_records_it(tmp_path, capsys):
+    """prepare.py --stdlib --tokenizer: the corpus of another tokenizer (here the 256 bytes), into a folder of any
+    name, its manifest naming the tokenizer, which train.py then takes."""
+    from tests.test_data import make_library
+    (tmp_path / "lib").mkdir()
+    make_library(tmp_path / "lib")
+    ranks = os.path.join(os.path.dirname(data.TOKENIZER), "bytes.tiktoken")
+    prepare.main(["--stdlib", str(tmp_path / "lib"), "--data_dir", str(tmp_path / "stdlib_bytes"), "--workers", "1",
+                  "--tokenizer", ranks])
+    assert data.data_tokenizer(tmp_path / "stdlib_bytes") == data.read_tokenizer(ranks)
+    tokens = read_tokens(tmp_path / "stdlib_bytes" / "stdlib_bytes_train_000001.bin")
+    assert max(tokens) == 256 and tokens[0] == 256  # each document opened by <|endoftext|>, the bytes below it
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--tokenize", "a.txt"], "--tokenize needs --data_dir"),
+    (["--tokenizer", "t.tiktoken"], "--tokenizer only applies with --tokenize or --stdlib"),
     (["--name", "x"], "--name only applies with --tokenize"),
     (["--tokenize", "a.txt", "--data_dir", "d", "--base_url", "http://x"], "--base_url is for downloads"),
     (["--stdlib", "--tokenize", "a.txt"], "--stdlib builds the built-in corpus; --tokenize does not apply to it"),

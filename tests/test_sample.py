@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import sample
+from engine.data import load_encoding
 from model import GPT, GPTConfig
 from tools import convert
 
@@ -38,7 +39,7 @@ def test_samples_continue_the_prompt_and_are_reproducible(ckpt, enc_file, capsys
     args = [ckpt, "--prompt", "the question", "--num_samples", "3", "--max_new_tokens", "20", "--tokenizer",
             str(enc_file), "--seed", "5"]
     out, text = run(capsys, *args)
-    assert out.shape == (3, len(sample.load_encoding(str(enc_file)).encode_ordinary("the question")) + 20)
+    assert out.shape == (3, len(load_encoding(str(enc_file)).encode_ordinary("the question")) + 20)
     assert out.max() < 291  # never an id the tokenizer cannot decode
     samples = text.split("---------- sample ")[1:]
     assert len(samples) == 3 and all(s.split("\n", 1)[1].startswith("the question") for s in samples)
@@ -55,7 +56,7 @@ def test_no_prompt_starts_a_document_and_exports_work(ckpt, enc_file, tmp_path, 
     out, text = run(capsys, export, "--tokenizer", str(enc_file), "--num_samples", "1", "--max_new_tokens", "5")
     assert out[0, 0].item() == 290 and out.shape == (1, 6)  # <|endoftext|> opens it, and is not printed
     printed = text.split("---------- sample 1\n")[1].rsplit("\n----------", 1)[0]
-    assert printed == sample.load_encoding(str(enc_file)).decode(out[0, 1:].tolist())
+    assert printed == load_encoding(str(enc_file)).decode(out[0, 1:].tolist())
 
 
 def test_errors(ckpt, enc_file, tmp_path, capsys):
@@ -69,3 +70,20 @@ def test_errors(ckpt, enc_file, tmp_path, capsys):
     with pytest.raises(SystemExit):
         sample.main([ckpt, "--num_samples", "0"])
     assert os.path.exists(ckpt)
+
+
+def test_the_checkpoints_tokenizer_needs_no_flag_and_another_is_refused(ckpt, enc_file, tmp_path, capsys):
+    """A checkpoint that records its tokenizer (train.py's, of the data it trained on) samples with it, no
+    --tokenizer; the same ranks given are accepted, GPT-2's refused in one line."""
+    from engine.checkpoint import load_checkpoint, save_checkpoint
+    from engine.data import TOKENIZER, read_tokenizer
+    recorded = str(tmp_path / "recorded.pt")
+    save_checkpoint(recorded, {**load_checkpoint(ckpt, ("step",)), "tokenizer": read_tokenizer(enc_file)})
+    args = ["--prompt", "the question", "--num_samples", "1", "--max_new_tokens", "5", "--seed", "5"]
+    assert torch.equal(run(capsys, recorded, *args)[0], run(capsys, ckpt, *args, "--tokenizer", str(enc_file))[0])
+    assert torch.equal(run(capsys, recorded, *args, "--tokenizer", str(enc_file))[0], run(capsys, recorded, *args)[0])
+    with pytest.raises(SystemExit, match=r"^sample.py: error: --tokenizer .*gpt2.tiktoken: gpt2.tiktoken \(50,257 "
+                                         r"tokens, <\|endoftext\|> 50256\), but .*recorded.pt was trained with "
+                                         r"test.tiktoken \(291 tokens, <\|endoftext\|> 290\), which it records "
+                                         r"\(leave --tokenizer out\)$"):
+        sample.main([recorded, "--tokenizer", TOKENIZER])

@@ -1,9 +1,11 @@
 """Tests of train.py: Muon, schedules, DDP equivalence, exact resume, checkpoints, errors, end to end."""
 import contextlib
 import gc
+import hashlib
 import json
 import math
 import os
+import random
 import shlex
 import shutil
 import signal
@@ -11,6 +13,7 @@ import socket
 import subprocess
 import sys
 import time
+import types
 import weakref
 from dataclasses import replace
 from datetime import timedelta
@@ -26,8 +29,8 @@ import model
 import optim
 import train
 from conftest import in_process, spawn
-from engine import parallel, runlog, sharding
-from engine.checkpoint import load_checkpoint
+from engine import data, parallel, runlog, sharding
+from engine.checkpoint import check_parts, load_checkpoint
 from engine.configurator import load_config
 from engine.data import write_shard
 from model import EOT, GPT, GPTConfig, flops_per_token
@@ -415,6 +418,149 @@ def test_a_parameter_in_two_optimizers_or_a_trained_one_in_none_is_refused_in_on
         assert not out.exists()  # refused before anything is written
 
 
+@pytest.mark.quick
+def test_param_groups_at_rates_1_and_half_keep_that_ratio_through_the_schedule_or_are_refused():
+    """A Muon of two param groups at rates 1 : 0.5 (issue 50's "done when"), the second given the factor
+    lr_scale=0.5 where the groups are built: Optimizers.set_schedule keeps the ratio at every step of the schedule
+    (warmup, plateau, decay), the log's muon_lr being the first group's. The same group given lr=0.005 instead, which
+    the schedule would overwrite at the first step, is refused before it in one line naming the factor; a resume
+    whose factors differ from its checkpoint's is refused as a recipe key is."""
+    cfg, model = TrainConfig(), every_kind_of_parameter()
+    matrices = optim.muon_params(model)
+    rest = [p for p in model.parameters() if all(p is not m for m in matrices)]
+
+    def optimizers(second):
+        return optim.Optimizers(muon=Muon([{"params": matrices[:3]}, {"params": matrices[3:], **second}], cfg.muon_lr,
+                                          cfg.muon_momentum, cfg.muon_beta2, cfg.muon_weight_decay),
+                                adam=torch.optim.AdamW(rest, lr=cfg.adam_lr))
+
+    halved = optimizers({"lr_scale": 0.5})
+    halved.check_params(model, schedule(0, cfg))
+    for step in (0, 500, 20_000, 35_000, cfg.max_steps - 1):
+        logged = halved.set_schedule(schedule(step, cfg))["muon_lr"]
+        first, second = (g["lr"] for g in halved["muon"].param_groups)
+        assert first == logged == schedule(step, cfg)["muon_lr"] and second == first * 0.5, step
+    with pytest.raises(ValueError, match=r"^optimiser 'muon', param group 1: lr=0.005, which the schedule overwrites "
+                                         r"with muon_lr at every step: give the group lr_scale=0.5 \(a factor of "
+                                         r"muon_lr\) instead$"):
+        optimizers({"lr": cfg.muon_lr / 2}).check_params(model, schedule(0, cfg))
+    quartered = optimizers({"lr_scale": 0.25})
+    with pytest.raises(ValueError, match=r"^optimiser 'muon', param group 1: lr_scale=0.5 in the checkpoint, "
+                                         r"lr_scale=0.25 in this run: a run continues with the recipe it was saved "
+                                         r"with$"):
+        quartered.load_state_dict(halved.state_dict())
+
+
+@pytest.mark.quick
+def test_a_model_inside_the_model_is_refused_and_what_no_optimiser_updates_is_said_once():
+    """A teacher attached inside the student (issue 50's seventh trap) would be trained by both optimisers and saved
+    as the student's weights: refused in one line, frozen or not. Held beside the model, frozen, it is no part of
+    the start-up line; a module of the model that no optimiser updates is named there once, "frozen at its random
+    initialisation" only for anchor_frozen's projection, which is never trained."""
+    student, cfg = every_kind_of_parameter(), TrainConfig()
+    student.teacher = every_kind_of_parameter().requires_grad_(False)
+    with pytest.raises(ValueError, match=r"^model.teacher: a GPT inside the model, which its optimisers would train "
+                                         r"\(unless frozen\) and its checkpoints save as its weights: hold it beside "
+                                         r"the model \(a Run attribute set in train.build\)$"):
+        build_optimizers(student, cfg).check_params(student, schedule(0, cfg))
+    del student.teacher
+    student.anchor_proj.weight.requires_grad_(False)
+    student.wte.requires_grad_(False)  # a fork's: loaded, say
+    line = optim.describe_optimizers(build_optimizers(student, cfg), student, ["anchor_proj.weight"])
+    assert line.endswith("; frozen at its random initialisation (no gradient, in no optimiser): anchor_proj.weight "
+                         "(4,096 parameters); not trained here (no gradient, in no optimiser): wte.weight (2,048 "
+                         "parameters)")
+    student = every_kind_of_parameter()
+    student.blocks.requires_grad_(False)
+    line = optim.describe_optimizers(build_optimizers(student, cfg), student)
+    n = len(list(student.blocks.parameters()))
+    assert line.count("blocks") == 1 and f"blocks: {n} tensors (" in line and "random initialisation" not in line
+
+
+class Shuffle:
+    """A fork's part of its own class: a generator it saves itself."""
+
+    def __init__(self):
+        self.rng = np.random.default_rng(0)
+
+    def state_dict(self):
+        return {"rng": self.rng.bit_generator.state}
+
+    def load_state_dict(self, state):
+        self.rng.bit_generator.state = state["rng"]
+
+
+@pytest.mark.quick
+def test_state_that_no_part_saves_is_refused():
+    """State a run holds that no part of run.parts saves (issue 50's eighth trap), which a resume would start again:
+    a random generator, an object with a state_dict that is not a part, a module with trained parameters that the
+    model does not hold, each refused in one line naming where it is. A part of the fork's own class saves what it
+    holds; a frozen model beside the model (a teacher) is no state."""
+    model = every_kind_of_parameter()
+    parts = {"model": model, "loader": None, "rng": train.RNG(), "shuffle": Shuffle()}
+    run = lambda **held: types.SimpleNamespace(cfg=TrainConfig(), worker=None, model=model, eval_model=model,
+                                               parts=parts, **held)
+    check_parts(run(teacher=every_kind_of_parameter().requires_grad_(False)))
+    for held, where, what in [({"noise": torch.Generator()}, "run.noise", "a random generator"),
+                              ({"table": Shuffle()}, "run.table", "an object with a state_dict"),
+                              ({"probe": torch.nn.Linear(2, 2)}, "run.probe", "a module with trained parameters"),
+                              ({"extra": {"order": [random.Random(0)]}}, r"run.extra\['order'\]\[0\]",
+                               "a random generator")]:
+        with pytest.raises(ValueError, match=rf"^{where}: {what} that no part of run.parts saves: a resume would "
+                                             rf"start it again \(keep it in a part registered in train.build"):
+            check_parts(run(**held))
+    model.blocks[1].attn.rng = np.random.default_rng(0)
+    with pytest.raises(ValueError, match=r"^run.model.blocks.1.attn.rng: a random generator"):
+        check_parts(run())
+
+
+def test_a_check_added_to_build_fails_the_dry_run_as_it_fails_the_launch(data_dir, tmp_path, monkeypatch, capsys):
+    """Issue 50's "done when": a check a fork adds to train.build stops the launch with a one-line error, and the
+    dry run of the same launch with the same line; so does the engine's own check as build ends (a generator held
+    outside run.parts). The dry run traces an evaluation (log_entry's) after the steps: what it holds is counted."""
+    real = train.build
+
+    def build(cfg, model_config, worker, storage=None):
+        run = real(cfg, model_config, worker, storage)
+        if cfg.batch_size < 4:  # a fork's check
+            raise ValueError(f"batch_size={cfg.batch_size}: this fork needs 4 sequences or more")
+        return run
+
+    monkeypatch.setattr(train, "build", build)
+    args = SMALL + [f"--data_dir={data_dir}", "--max_steps=2"]
+    launch, _, _ = main_output(args + [f"--out_dir={tmp_path / 'out'}"], capsys)
+    dry, out, _ = main_output(args + ["--dry_run=True"], capsys)
+    assert str(launch.code) == "train.py: error: batch_size=2: this fork needs 4 sequences or more"
+    assert [line for line in out.splitlines() if "error" in line] == [
+        "dry run: error: batch_size=2: this fork needs 4 sequences or more"] and isinstance(dry, SystemExit)
+    monkeypatch.setattr(train, "build", real)
+    real_model = train.build_model
+
+    def build_model(*args, **kwargs):  # a generator the fork keeps on the model, which no part saves
+        built = real_model(*args, **kwargs)
+        built[0].noise = torch.Generator()
+        return built
+
+    monkeypatch.setattr(train, "build_model", build_model)
+    launch, _, _ = main_output(args + [f"--out_dir={tmp_path / 'out'}"], capsys)
+    dry, out, _ = main_output(args + ["--dry_run=True"], capsys)
+    line = "run.model.noise: a random generator that no part of run.parts saves: a resume would start it again " \
+           "(keep it in a part registered in train.build: docs/FORKING.md)"
+    assert str(launch.code) == f"train.py: error: {line}" and f"dry run: error: {line}" in out
+    monkeypatch.setattr(train, "build_model", real_model)
+    real_entry = train.log_entry
+
+    def log_entry(run, measured, evaluating):  # an evaluation that holds more than a step: whole logits, say
+        entry = real_entry(run, measured, evaluating)
+        if evaluating:
+            entry["held"] = torch.zeros(1 << 28, device=run.worker.device).sum().item()
+        return entry
+
+    monkeypatch.setattr(train, "log_entry", log_entry)
+    _, out, _ = main_output(args + ["--dry_run=True"], capsys)
+    assert "the peak, during an evaluation: 1.0" in out and ": fits (" in out
+
+
 # ----------------------------------------------------------------------------- DDP
 
 def test_ddp_two_processes_equal_one_process_with_twice_the_accumulation(data_dir, tmp_path):
@@ -656,6 +802,49 @@ def test_doc_mask_is_in_effect_and_kept_on_resume(doc_data_dir, tmp_path):
     assert read_log(plain, configs=True)[-1]["config"]["doc_mask"] is False
     assert train.main(common + [f"--out_dir={plain}", "--eval_only=True"]) != \
         train.main(common + [f"--out_dir={plain}", "--eval_only=True", "--doc_mask=True"])
+
+
+@pytest.fixture
+def recorded_data(toy_shards, enc_file, tmp_path):
+    """The toy shards in a folder whose manifest records a tokenizer (the tests' own, enc_file: 291 tokens, its
+    <|endoftext|> 290), as prepare.py records the one that made its shards."""
+    folder = tmp_path / "recorded"
+    shutil.copytree(toy_shards, folder)
+    entry = lambda name: {"bytes": os.path.getsize(folder / name), "sha256": hashlib.sha256((folder / name)
+                                                                                           .read_bytes()).hexdigest()}
+    data.add_to_manifest(folder, {name: entry(name) for name in os.listdir(folder)}, data.read_tokenizer(enc_file))
+    return str(folder)
+
+
+def test_the_tokenizer_comes_from_the_data_and_goes_into_every_checkpoint(recorded_data, data_dir, enc_file, tmp_path,
+                                                                          capsys):
+    """train.py takes the data's tokenizer with no flag (issue 50): its <|endoftext|> becomes the model's eot_token,
+    what document masking looks for; the start-up line and every checkpoint name it. Refused in one line before any
+    work: a vocabulary without room for its tokens, an eot_token given otherwise, a resume on another tokenizer's
+    data (here: the same run's on data that records none, which is read as GPT-2's)."""
+    args = SMALL + [f"--data_dir={recorded_data}", "--max_steps=2"]
+    out = str(tmp_path / "out")
+    result, stdout, _ = main_output(args + ["--vocab_size=320", f"--out_dir={out}"], capsys)
+    recorded = data.read_tokenizer(enc_file)
+    ckpt = load_checkpoint(f"{out}/ckpt.pt")
+    assert ckpt["tokenizer"] == recorded and ckpt["model_config"]["eot_token"] == 290
+    assert "its tokenizer: test.tiktoken (291 tokens, <|endoftext|> 290)\n" in stdout  # 320 rows: padding only
+    sized_for_gpt2 = types.SimpleNamespace(model=GPT(GPTConfig(**{**ckpt["model_config"], "vocab_size": EOT + 48})),
+                                           tokenizer=recorded)  # the default vocab_size, on this data: said
+    assert runlog.unused_rows(sized_for_gpt2) == ", 50,013 of the model's vocab_size=50,304 rows no token of it uses"
+    for given, line in [(["--vocab_size=256"], f"vocab_size=256: {recorded_data}'s tokenizer is test.tiktoken (291 "
+                                                f"tokens, <|endoftext|> 290): expected vocab_size >= 291"),
+                        (["--vocab_size=320", "--eot_token=5"], f"eot_token=5: {recorded_data}'s tokenizer is "
+                         f"test.tiktoken (291 tokens, <|endoftext|> 290) (leave eot_token out: a run takes it from "
+                         f"its data)")]:
+        result, _, _ = main_output(args + given + [f"--out_dir={tmp_path / 'refused'}"], capsys)
+        assert str(result.code) == f"train.py: error: {line}"
+    result, _, _ = main_output(SMALL + [f"--data_dir={data_dir}", f"--out_dir={out}", "--max_steps=3",
+                                        "--vocab_size=320", "--init_from=auto"], capsys)
+    assert str(result.code) == (f"train.py: error: {data_dir}: its tokenizer is none recorded (written before "
+                                f"tokenizers were: GPT-2's assumed), {out}/ckpt.pt was trained with test.tiktoken (291 "
+                                f"tokens, <|endoftext|> 290): its model reads that one's data")
+    assert not os.path.exists(tmp_path / "refused")
 
 
 def test_sigkill_mid_run_resumes_from_last_checkpoint_and_finishes(data_dir, tmp_path, capsys):

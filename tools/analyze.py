@@ -49,12 +49,12 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from engine.checkpoint import check_checkpoint, load_model, trained_doc_mask
+from engine.checkpoint import check_checkpoint, check_data_tokenizer, load_model, trained_doc_mask
 from engine.data import val_batches
 from engine.files import atomic_write
 from engine.parallel import Runtime
 from engine.runlog import log_path, read_log, val_curve
-from model import ANCHOR, OWN, document_mask
+from model import ANCHOR, EOT, OWN, document_mask
 
 TOP_K = (1, 2, 3, 10)  # the top-k attention weights of Figure 4
 GATE_CLOSED = 0.2  # σ(g) below this counts towards gate sparsity (Figure 7b)
@@ -63,12 +63,12 @@ ATTN_CHUNK = 1 << 24  # attention weights formed at once (heads × queries × ke
 PROJ_NAMES = {"q": "query", "k": "key", "v": "value", "g": "gate logit"}
 
 
-def attention_mask(idx, doc_mask=False):
+def attention_mask(idx, doc_mask=False, eot=EOT):
     """idx (B, T) -> (B, T, T) bool, True where query t may attend to key s: the mask model.py applies
-    (causal; with doc_mask, causal inside each document as well)."""
+    (causal; with doc_mask, causal inside each document, each opened by eot, the model's eot_token, as well)."""
     B, T = idx.shape
     if doc_mask:
-        return document_mask(idx, flex=False)[:, 0]
+        return document_mask(idx, flex=False, eot=eot)[:, 0]
     return torch.ones(T, T, dtype=torch.bool, device=idx.device).tril().expand(B, T, T)
 
 
@@ -168,7 +168,7 @@ class Recorder:
             block.attn.inspect = self._attention_hook(i)
 
     def begin(self, idx, doc_mask=False):
-        self.mask, self.batch_states = attention_mask(idx, doc_mask), []
+        self.mask, self.batch_states = attention_mask(idx, doc_mask, self.model.config.eot_token), []
         self.tokens += idx.numel()
 
     def remove(self):
@@ -570,7 +570,8 @@ def main(argv=None):
     runtime = Runtime.pick(args.device, args.dtype)
     try:  # every input is checked before the first model is analysed
         for path in args.ckpts:
-            _, config = check_checkpoint(path, mmap=True)  # no model built, no weight read: analyze loads it
+            ckpt, config = check_checkpoint(path, mmap=True)  # no model built, no weight read: analyze loads it
+            check_data_tokenizer(ckpt, args.data_dir, path)  # the tokenizer the model was trained with
             windows(args.data_dir, args.tokens, args.batch_size, config)
         os.makedirs(args.out, exist_ok=True)
     except (ValueError, OSError, ImportError) as e:  # ImportError: the Hugging Face format's packages

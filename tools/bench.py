@@ -25,6 +25,14 @@ as ckpt.pt and as ckpt.dcp, side by side: without checksums, as before the manif
 
     python -m tools.bench configs/dyn_exo.py --checkpoint=/dev/shm
 
+With --resume_ranks=1,2,4 it then launches train.py under torchrun with the row's keys (--data_dir among them), at
+each number of processes, DDP (ckpt.pt) and FSDP (ckpt.dcp), fresh and resumed, and prints what a resume reads (each
+process's /proc/self/io rchar at its first step, summed, less a fresh start's) in units of the checkpoint's bytes,
+and the seconds from the launch to the first step; then what --verify_data=True reads at the most processes:
+
+    python -m tools.bench configs/dyn_exo.py --n_layer=4 --n_embd=128 --n_head=4 --block_size=256 --batch_size=2 \\
+        --total_batch_size=2048 --data_dir=data/stdlib --checkpoint=/dev/shm --resume_ranks=1,2,4
+
 --gpu=True is the check for a CUDA GPU: Gated Attention against Dynamic E-ExoFormer at the paper's 450M shapes,
 with compile and doc_mask each off and on, beside the paper's overhead and the FLOP ratio:
 
@@ -32,13 +40,16 @@ with compile and doc_mask each off and on, beside the paper's overhead and the F
 """
 import collections
 import contextlib
+import json
 import math
 import os
 import shutil
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 import torch.utils.serialization
@@ -47,9 +58,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 import model as model_file
+import train
 from engine import parallel, sharding
 from engine.checkpoint import save_checkpoint
 from engine.configurator import help_text, key_comments, load_config, wants_help
+from engine.data import read_manifest
 from model import EOT, GPT, GPTConfig, flops_per_token
 from optim import Muon, clip_gradients, moment_shape, muon_params, state_floats
 from train import ALL_DEFAULTS, build_optimizers, help_sections, split_config
@@ -66,6 +79,7 @@ BENCH_DEFAULTS = dict(
     gpu=False,  # True: configs/gated.py against configs/dyn_exo.py, compile and doc_mask off and on (CUDA only)
     checkpoint="",  # a folder: time writing a resume checkpoint there instead, its checksums off and on
     profile=False,  # True: instead of timing, where each model's step time goes, by part (torch.profiler, eager)
+    resume_ranks=(),  # with checkpoint: also what a train.py resume reads, at each of these numbers of processes
 )
 # the paper's pair at 450M: Gated Attention, Dynamic E-ExoFormer
 GPU_MODELS = ["configs/gated.py", "configs/dyn_exo.py"]
@@ -106,6 +120,8 @@ def peak_memory(device, base):
 
 
 def main(argv):
+    if argv and argv[0].startswith("--first_step"):  # a process of resume_table's launches
+        return first_step(argv[0].partition("=")[2], argv[0].startswith("--first_step_stop"), argv[1:])
     if wants_help(argv):
         print(help_text(__doc__, [("bench keys", BENCH_DEFAULTS, key_comments(__file__, "BENCH_DEFAULTS"))]
                         + help_sections()))
@@ -141,7 +157,10 @@ def main(argv):
     if runs[0].bench["memory"]:
         return memory_table(runs, env)
     if runs[0].bench["checkpoint"]:
-        return checkpoint_table(runs, runs[0].bench["checkpoint"])
+        result = checkpoint_table(runs, runs[0].bench["checkpoint"])
+        for row in runs if runs[0].bench["resume_ranks"] else ():
+            result.update(resume_table(row, runs[0].bench["checkpoint"]))
+        return result
     if runs[0].bench["profile"]:
         return profile_table(runs, env)
     return timing_table(runs, env)
@@ -194,7 +213,7 @@ def timing_table(runs, env):
     print(f"{what}: {env.device}, {first.cfg.dtype or 'auto'} dtype, compile={env.compile}, "
           f"doc_mask={first.cfg.doc_mask}, batch {B} x {T} tokens, "
           f"{first.bench['rounds']} rounds x {first.bench['steps']} steps (+{first.bench['warmup']} warmup)")
-    x, y = synthetic_batch(B, T, first.config.vocab_size, first.bench["doc_len"], env.device)
+    x, y = synthetic_batch(B, T, first.config.vocab_size, first.bench["doc_len"], env.device, first.config.eot_token)
     for row in runs:  # built one after another: peak memory is per model
         base = peak_memory_reset(env.device)
         build(row, env)
@@ -398,13 +417,13 @@ def rank_table(runs, x, y, env):
               + "".join(f"{counted.bytes[k] / 1e6:>15.3f}" for k in kinds))
 
 
-def synthetic_batch(B, T, vocab_size, doc_len, device):
-    """Random tokens (B, T) and their targets, with an <|endoftext|> opening a document every doc_len tokens
-    on average when the vocabulary has it."""
+def synthetic_batch(B, T, vocab_size, doc_len, device, eot=EOT):
+    """Random tokens (B, T) and their targets, with an <|endoftext|> (eot: the model's eot_token) opening a document
+    every doc_len tokens on average when the vocabulary has it."""
     g = torch.Generator().manual_seed(0)
-    data = torch.randint(0, min(vocab_size, EOT), (B, T + 1), generator=g)
-    if vocab_size > EOT:
-        data[torch.rand(B, T + 1, generator=g) < 1 / doc_len] = EOT
+    data = torch.randint(0, min(vocab_size, eot), (B, T + 1), generator=g)
+    if vocab_size > eot:
+        data[torch.rand(B, T + 1, generator=g) < 1 / doc_len] = eot
     return data[:, :-1].to(device), data[:, 1:].to(device)
 
 
@@ -454,7 +473,7 @@ def memory_table(runs, env):
     optimiser states and the loss's transient logits."""
     first = runs[0]
     T = first.config.block_size
-    x, y = synthetic_batch(1, T, first.config.vocab_size, first.bench["doc_len"], env.device)
+    x, y = synthetic_batch(1, T, first.config.vocab_size, first.bench["doc_len"], env.device, first.config.eot_token)
     print(f"activation memory of one sequence of {T} tokens: {env.device}, {first.cfg.dtype or 'auto'} dtype, eager")
     print(f"\n{'config':<36}{'params':>14}{'per layer':>12}{'fixed':>10}{'GiB/seq':>9}"
           f"{'B @ 40GB':>10}{'B @ 80GB':>10}{'B @ 141GB':>11}")
@@ -571,6 +590,115 @@ def checkpoint_table(runs, folder):
                   f"{now / none:>9.3f} {now / before:>11.3f}")
         del tensors
     return result
+
+
+# what a resume reads: train.py itself launched under torchrun, each process noting at its first step what it has read
+# (/proc/self/io's rchar: every read() of a file, from the page cache too; a mapped file's pages are not counted) and
+# when; a resume less the same launch started fresh is what reading the checkpoint took
+RESUME_KINDS = {"ckpt.pt": [], "ckpt.dcp": ["--fsdp=True"]}
+
+
+def resume_table(row, folder):
+    """--checkpoint with --resume_ranks: of the row's train.py run at each number of processes, under DDP (ckpt.pt)
+    and FSDP (ckpt.dcp), what a resume reads, summed over the processes, in units of S (the checkpoint's bytes); the
+    seconds from the launch to the first step (of the last process), and the CPU seconds of train.start (configure,
+    build, restore: what reading the checkpoint adds to a start; summed over the processes, which a shared machine's
+    load changes less than the time), fresh and resumed, medians of rounds launches each; then what
+    --verify_data=True adds to a fresh start, in units of D (the listed shards' bytes). The row's keys (data_dir among
+    them) are train.py's."""
+    given = {**asdict(row.cfg), **asdict(row.config)}
+    keys = [f"--{k}={','.join(map(str, v)) if isinstance(v, tuple) else v}" for k, v in given.items()
+            if v != ALL_DEFAULTS[k] and k not in ("out_dir", "init_from", "max_steps")]
+    # the measured start: one validation batch per process (the loss of step 0, which a fresh run evaluates first)
+    keys.append(f"--eval_tokens={row.cfg.batch_size * row.config.block_size * max(row.bench['resume_ranks'])}")
+    rounds = range(row.bench["rounds"])
+    print(f"\nresuming train.py ({row.name}) from {folder}: the bytes its processes read before the first step "
+          f"(/proc/self/io rchar, summed), a resume less a fresh start; seconds, fresh and resumed, medians of "
+          f"{len(rounds)}")
+    print(f"{'kind':<10}{'ranks':>6}{'S GB':>8}{'read/S':>8}{'per rank':>9}   to the first step   "
+          f"train.start CPU-s")
+    result = {}
+    with tempfile.TemporaryDirectory(dir=folder) as work:
+        for kind, extra in RESUME_KINDS.items():
+            for n in row.bench["resume_ranks"]:
+                out = os.path.join(work, f"{kind}_{n}")
+                # the first fresh launch goes on to write the checkpoint (of step 1) that every resume starts from
+                fresh = [launch(n, keys + extra + [f"--out_dir={out}{r or ''}", "--max_steps=1"], work, stop=r > 0)
+                         for r in rounds]
+                size = tree_bytes(os.path.join(out, kind))
+                resumed = [launch(n, keys + extra + [f"--out_dir={out}", "--max_steps=2", "--init_from=auto"], work)
+                           for _ in rounds]
+                m = result[row.name, kind, n] = median_launch(resumed, fresh, size)
+                print(f"{kind:<10}{n:>6}{size / 1e9:>8.3f}{m['read']:>8.2f}{m['read'] / n:>9.2f}   "
+                      f"{m['seconds'][0]:>6.1f} -> {m['seconds'][1]:>5.1f}     {m['start'][0]:>6.2f} -> "
+                      f"{m['start'][1]:>5.2f}")
+        n = max(row.bench["resume_ranks"])
+        listed = sum(e["bytes"] for e in read_manifest(row.cfg.data_dir).values())
+        plain, verified = ([launch(n, keys + [f"--out_dir={os.path.join(work, f'data_{v}_{r}')}", "--max_steps=1",
+                                              f"--verify_data={v}"], work) for r in rounds] for v in (False, True))
+        m = result[row.name, "verify_data", n] = median_launch(verified, plain, listed)
+        print(f"--verify_data=True at {n} ranks: D = {listed / 1e6:.1f} MB of shards, {m['read']:.2f} D read "
+              f"({m['read'] / n:.2f} D per rank); seconds to the first step {m['seconds'][0]:.1f} -> "
+              f"{m['seconds'][1]:.1f}, train.start CPU-s {m['start'][0]:.2f} -> {m['start'][1]:.2f}")
+    return result
+
+
+def median_launch(measured, baseline, unit):
+    """{"read": the median bytes read by measured's launches less baseline's, in units of unit; "seconds", "start":
+    (baseline's, measured's) median seconds to the first step, and CPU seconds in train.start}."""
+    median = lambda launches, key: statistics.median(e[key] for e in launches)
+    return dict(read=(median(measured, "read") - median(baseline, "read")) / unit,
+                **{key: (median(baseline, key), median(measured, key)) for key in ("seconds", "start")})
+
+
+def launch(n, keys, work, stop=True):
+    """train.py with keys under torchrun at n processes (stop: each exits at its first step): {"read": the bytes
+    its processes had read then, summed; "seconds": from the launch to the last one's first step; "start": the CPU
+    seconds of its processes in train.start, summed}."""
+    notes = tempfile.mkdtemp(dir=work)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    t0 = time.time()
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}",
+                           "-m", "tools.bench", f"--first_step{'_stop' * stop}={notes}", *keys], cwd=root,
+                          capture_output=True, text=True)
+    noted = [json.load(open(os.path.join(notes, f))) for f in sorted(os.listdir(notes))]
+    if done.returncode or len(noted) != n:
+        raise RuntimeError(f"train.py {' '.join(keys)} at {n} processes: exit status {done.returncode}:\n"
+                           f"{done.stderr[-3000:]}")
+    return {"read": sum(e["rchar"] for e in noted), "seconds": max(e["time"] for e in noted) - t0,
+            "start": sum(e["start"] for e in noted)}
+
+
+def first_step(notes, stop, argv):
+    """train.main(argv), this process's bytes read so far (/proc/self/io rchar), the time and the CPU seconds (of all
+    its threads) that train.start took noted at its first step, in notes/<rank>.json; with stop, it exits there."""
+    start, step, took = train.start, train.train_step, []
+
+    def timed(*args):
+        t0 = time.process_time()
+        run = start(*args)
+        took.append(time.process_time() - t0)
+        return run
+
+    def noted(run, batches):
+        with open("/proc/self/io") as f:
+            rchar = int(next(line for line in f if line.startswith("rchar:")).split()[1])
+        with open(os.path.join(notes, f"{run.worker.rank}.json"), "w") as f:
+            json.dump({"rchar": rchar, "time": time.time(), "start": took[0]}, f)
+        if stop:
+            os._exit(0)
+        train.train_step = step
+        return step(run, batches)
+
+    train.start, train.train_step = timed, noted
+    return train.main(argv)
+
+
+def tree_bytes(path):
+    """The bytes of a file, or of every file under a directory."""
+    if os.path.isfile(path):
+        return os.path.getsize(path)
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files)
 
 
 def step(row, x, y, env):

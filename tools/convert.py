@@ -34,7 +34,7 @@ from dataclasses import asdict
 import torch
 
 from engine import hf, sharding
-from engine.checkpoint import load_checkpoint, save_checkpoint
+from engine.checkpoint import load_checkpoint, save_checkpoint, trained_tokenizer
 from engine.configurator import load_config
 from engine.data import load_encoding
 from engine.httpclient import ByteBar, DownloadError, download_file, get_json
@@ -336,8 +336,8 @@ def source(src, cache_dir, base_url):
     if "model_config" in ckpt:
         config, sd = from_ours(ckpt, path)
         kind, note = "checkpoint of this code", f"weights-only export of {label} by convert.py"
-        # its training settings (train.py's `config`) are small and say how the model was made
-        extra = {"config": ckpt["config"]} if "config" in ckpt else {}
+        # its training settings (train.py's `config`) are small and say how the model was made, as its tokenizer does
+        extra = {k: ckpt[k] for k in ("config", "tokenizer") if k in ckpt}
     elif "model_args" in ckpt:
         config, sd = from_authors(ckpt, path)
         kind, note = "authors' checkpoint", f"the authors' checkpoint {label}, converted by convert.py"
@@ -393,9 +393,10 @@ def final_val_loss(path, step):
     return curve[-1][1] if curve else None
 
 
-def to_hf(src, folder, enc, push=None, token=None, cache_dir=CACHE_DIR, base_url=HF_URL):
-    """Write the Hugging Face model folder of SRC (hf.export) with tokenizer enc; with push, then upload it to that
-    Hub repository with token (hf.push). Returns the model card's facts."""
+def to_hf(src, folder, tokenizer=None, push=None, token=None, cache_dir=CACHE_DIR, base_url=HF_URL):
+    """Write the Hugging Face model folder of SRC (hf.export) with the tokenizer it records (checkpoint.
+    trained_tokenizer: tokenizer, a ranks file, must be that one; for one that records none, tokenizer or GPT-2's);
+    with push, then upload it to that Hub repository with token (hf.push). Returns the model card's facts."""
     hf.check_target(folder)  # before the checkpoint is read
     result, info = source(src, cache_dir, base_url)
     path = info["path"]
@@ -406,7 +407,8 @@ def to_hf(src, folder, enc, push=None, token=None, cache_dir=CACHE_DIR, base_url
                                 else None)
     card = {"repo": push or folder, "params": info["params"], "step": step, "tokens": tokens,
             "val_loss": final_val_loss(path, step), "source": result["source"]}
-    hf.export(result, folder, enc, card)
+    tokenizer = trained_tokenizer(result, tokenizer, src)  # the folder records the one its tokenizer.json holds
+    hf.export({**result, "tokenizer": tokenizer}, folder, load_encoding(tokenizer), card)
     print(f"wrote {folder}: {', '.join(sorted(os.listdir(folder)))}")
     if push:
         print(f"pushed {folder} to {push}: {hf.push(folder, push, token, base_url)}")
@@ -425,8 +427,8 @@ def parse_args(argv=None):
                                                   "config.json, the modeling code, the tokenizer, a model card)")
     p.add_argument("--push", metavar="REPO", help="--to_hf: then upload the folder to the Hub repository OWNER/NAME "
                                                   "(a token: HF_TOKEN or `hf auth login`)")
-    p.add_argument("--tokenizer", help="--to_hf: the model's .tiktoken ranks file "
-                                       "(default: tokenizer/gpt2.tiktoken, GPT-2's)")
+    p.add_argument("--tokenizer", help="--to_hf: the model's .tiktoken ranks file, which a checkpoint records (for one "
+                                       "that records none: default tokenizer/gpt2.tiktoken, GPT-2's)")
     p.add_argument("--list", metavar="USER", help="list USER's Hub repositories, their checkpoints and variants")
     p.add_argument("--cache_dir", default=CACHE_DIR, help="where downloads are kept: CACHE_DIR/OWNER/NAME/FILENAME")
     p.add_argument("--base_url", default=None, help=f"the Hugging Face Hub, or a mirror with its URL layout "
@@ -454,8 +456,7 @@ def main(argv=None):
         for module in ("safetensors.torch", "tokenizers"):  # what the folder needs, before anything is read
             hf.optional(module)
         token = hf.hub_token() if args.push else None
-        return to_hf(args.src, args.to_hf, load_encoding(args.tokenizer), args.push, token, args.cache_dir,
-                     args.base_url)
+        return to_hf(args.src, args.to_hf, args.tokenizer, args.push, token, args.cache_dir, args.base_url)
     except (ValueError, OSError, DownloadError, ImportError) as e:
         raise SystemExit(f"convert.py: error: {e}")
     except KeyboardInterrupt:
