@@ -8,7 +8,14 @@ interleaved so that they share the machine's ups and downs, and compare with the
 Each positional argument is one model: files are not composed as in train.py, so give a size as
 --key=value. Every --key=value (any train.py or model key, plus the bench keys) applies to all models;
 --compare=KEY times each of them with a True/False key off and on, side by side. The first row is the
-reference of the ratio columns. --memory=True measures activation memory instead of time:
+reference of the ratio columns. --profile=True says instead where each model's step time goes, by part of the
+model (the anchors, the dynamic scales, the mix, a recompute, the rest, the optimisers), forward and backward, under
+torch.profiler, eager:
+
+    python -m tools.bench configs/gated.py configs/dyn_exo.py --block_size=256 --batch_size=2 --optimizer=False \
+        --profile=True --rounds=2 --steps=2 --warmup=1
+
+--memory=True measures activation memory instead of time:
 
     python -m tools.bench configs/gated.py configs/dyn_exo.py --memory=True --dtype=bfloat16
 
