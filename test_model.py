@@ -12,10 +12,12 @@ from dataclasses import replace
 import pytest
 import torch
 from torch.nn.attention.flex_attention import create_block_mask, create_mask
+from torch.utils.checkpoint import checkpoint
 
+import model as model_file
 from engine.configurator import load_config, read_args
 from model import (EOT, GPT, GRANULARITY_SHAPES, GPTConfig, KVCache, compiled, document_mask, flops_per_token, generate,
-                   lm_loss, triton_available)
+                   lm_loss, mix_with_anchor, triton_available)
 from train import ALL_DEFAULTS, MODEL_KEYS
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
@@ -465,6 +467,45 @@ def test_dynamic_at_init_is_static_with_lambda_half():
     with torch.no_grad():
         dyn.blocks[1].attn.dyn.fc2.bias.fill_(2.0)
     assert not torch.allclose(dyn(idx)[0], static(idx)[0])
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("granularity", list(GRANULARITY_SHAPES))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dynamic_mix_is_the_formula_bit_for_bit(granularity, dtype):
+    """DynamicMix, the dynamic mix's lean backward, gives the values and gradients of autograd through
+    mix_with_anchor bit for bit, on the model's layouts (S and the anchor (B, H, T, D) views of (B, T, 4, H, D), each
+    s a (B, 1, T, 1) view of DynamicScale's output), with λ in fp32 cast to the activations' dtype."""
+    g = torch.Generator().manual_seed(0)
+    B, T, H, D = 2, 16, 4, 8
+    leaves = [torch.randn(B, T, 4, H, D, generator=g).to(dtype), torch.randn(B, T, 4, H, D, generator=g).to(dtype),
+              *(torch.randn(GRANULARITY_SHAPES[granularity](H, D), generator=g) for _ in range(2)),
+              torch.rand(B, T, 8, generator=g).to(dtype)]
+    grad = torch.randn(B, H, T, D, generator=g).to(dtype)
+    results = []
+    for mix in (mix_with_anchor, model_file.dynamic_mix):
+        own, anchor, lam1, lam2, scales = [t.detach().requires_grad_() for t in leaves]
+        s1, s2 = scales.transpose(1, 2)[..., None][:, 2:4].split(1, dim=1)  # the k pair, as DynamicScale splits
+        out = mix(own.transpose(1, 3)[:, :, 1], anchor.transpose(1, 3)[:, :, 1], lam1, lam2, s1, s2)
+        out.backward(grad)
+        results.append([out] + [t.grad for t in (own, anchor, lam1, lam2, scales)])
+    assert all(torch.equal(a, b) for a, b in zip(*results))
+    assert results[1][0].grad_fn.name() == "DynamicMixBackward"
+
+
+def test_dynamic_mix_keeps_for_backward_what_a_checkpoint_of_the_mix_kept(monkeypatch):
+    """dyn_exo keeps the mix's inputs for backward, as checkpointing the mix did (the memory tables'), not
+    autograd's two products λ·S and λ·N(S_anc) per mixed projection, each (B, T, C)."""
+    from tools.bench import saved_bytes
+    model = randomize(GPT(variant("dyn_exo", n_layer=2)))
+    idx = tokens(model.config, B=1)
+    kept = lambda: saved_bytes(model, idx[:, :-1], idx[:, 1:], torch.autocast("cpu", enabled=False), False)
+    lean = kept()
+    monkeypatch.setattr(model_file, "dynamic_mix", lambda *args: checkpoint(mix_with_anchor, *args, use_reentrant=False))
+    assert kept() == lean
+    monkeypatch.setattr(model_file, "dynamic_mix", mix_with_anchor)
+    c = model.config
+    assert kept() - lean == c.n_layer * len(c.mix) * 2 * (c.block_size - 1) * c.n_embd * 4  # fp32
 
 
 @pytest.mark.parametrize("base", ["exoformer_s", "nuresformer_s"])

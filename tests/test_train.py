@@ -1099,6 +1099,34 @@ def test_bench_prints_time_and_flop_ratios(capsys):
     assert runs[0].model.lm_head.weight.abs().sum() == 0  # forward + backward only
 
 
+def test_bench_profile_attributes_every_microsecond_of_the_step_to_a_part(capsys):
+    """--profile=True: each part of dyn_exo's step (anchors, dynamic scales, mix; recompute under activation
+    checkpointing) in its forward and backward, none of them in Gated's, and the parts add up to the profiled
+    ranges (self times: nothing counted twice or left out); the wrappers are gone afterwards."""
+    from tools import bench
+    size = ["--n_layer=2", "--n_embd=64", "--n_head=2", f"--vocab_size={VOCAB}", "--block_size=32", "--batch_size=2",
+            "--steps=1", "--rounds=1", "--warmup=1", "--profile=True", "--activation_checkpointing=True"]
+    gated, dyn = bench.main(["configs/gated.py", "configs/dyn_exo.py"] + size)
+    parts = lambda row: {part for (part, _), us in row.parts.items() if us > 0}
+    assert parts(gated) == {"rest", "recompute", "optimizers"}
+    assert parts(dyn) == {"anchors", "dynamic scales", "mix", "recompute", "rest", "optimizers"}
+    assert {phase for (part, phase) in dyn.parts if part in ("anchors", "mix")} == {"forward", "backward"}
+    assert {phase for (part, phase) in dyn.parts if part == "recompute"} == {"backward"}
+    rows = {tuple(line[:26].split()): [float(v.rstrip("%")) for v in line[26:].split()]
+            for line in capsys.readouterr().out.splitlines()[3:15]}
+    assert len(rows) == 12 and all(len(v) == 4 for v in rows.values())  # gated, dyn_exo, what dyn_exo adds, %
+    step = rows.pop(("step",))
+    for column in range(3):  # each part printed to 0.1 ms
+        assert sum(v[column] for v in rows.values()) == pytest.approx(step[column], abs=0.06 * len(rows))
+    with torch.profiler.profile() as prof:
+        bench.step(dyn, *bench.synthetic_batch(2, 32, VOCAB, 1000, "cpu"), parallel.join(dyn.cfg))
+    events = prof.events()
+    phases = sum(e.cpu_time_total for e in events if e.cpu_parent is None and e.name in bench.PHASES)
+    assert sum(bench.part_times(events).values()) == pytest.approx(phases)
+    assert model.mix_with_anchor.__qualname__ == "mix_with_anchor" and "normalize" not in vars(dyn.model)
+    assert not any("forward" in vars(m) for m in dyn.model.modules())  # the wrappers gone
+
+
 def test_bench_compare_and_activation_memory(capsys):
     from tools import bench
     size = ["--n_layer=2", "--n_embd=64", "--n_head=2", "--block_size=32", "--batch_size=2", "--steps=1",

@@ -8,7 +8,14 @@ interleaved so that they share the machine's ups and downs, and compare with the
 Each positional argument is one model: files are not composed as in train.py, so give a size as
 --key=value. Every --key=value (any train.py or model key, plus the bench keys) applies to all models;
 --compare=KEY times each of them with a True/False key off and on, side by side. The first row is the
-reference of the ratio columns. --memory=True measures activation memory instead of time:
+reference of the ratio columns. --profile=True says instead where each model's step time goes, by part of the
+model (the anchors, the dynamic scales, the mix, a recompute, the rest, the optimisers), forward and backward, under
+torch.profiler, eager:
+
+    python -m tools.bench configs/gated.py configs/dyn_exo.py --block_size=256 --batch_size=2 --optimizer=False \
+        --profile=True --rounds=2 --steps=2 --warmup=1
+
+--memory=True measures activation memory instead of time:
 
     python -m tools.bench configs/gated.py configs/dyn_exo.py --memory=True --dtype=bfloat16
 
@@ -39,6 +46,7 @@ with compile and doc_mask each off and on, beside the paper's overhead and the F
     python -m tools.bench --gpu=True
 """
 import collections
+import contextlib
 import json
 import math
 import os
@@ -52,9 +60,11 @@ from dataclasses import asdict, dataclass, field, replace
 
 import torch
 import torch.utils.serialization
+from torch.profiler import ProfilerActivity, profile, record_function
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+import model as model_file
 import train
 from engine import parallel, sharding
 from engine.checkpoint import save_checkpoint
@@ -75,6 +85,7 @@ BENCH_DEFAULTS = dict(
     ranks=(),  # with memory: also the bytes per GPU, and the micro-batch that fits, with FSDP over these many GPUs
     gpu=False,  # True: configs/gated.py against configs/dyn_exo.py, compile and doc_mask off and on (CUDA only)
     checkpoint="",  # a folder: time writing a resume checkpoint there instead, its checksums off and on
+    profile=False,  # True: instead of timing, where each model's step time goes, by part (torch.profiler, eager)
     resume_ranks=(),  # with checkpoint: also what a train.py resume reads, at each of these numbers of processes
 )
 # the paper's pair at 450M: Gated Attention, Dynamic E-ExoFormer
@@ -157,6 +168,8 @@ def main(argv):
         for row in runs if runs[0].bench["resume_ranks"] else ():
             result.update(resume_table(row, runs[0].bench["checkpoint"]))
         return result
+    if runs[0].bench["profile"]:
+        return profile_table(runs, env)
     return timing_table(runs, env)
 
 
@@ -197,6 +210,7 @@ class Row:
     total: int = None  # ... and in all, at full depth
     state: int = None  # ... and the bytes of weights, gradients, optimiser states and a loss chunk's logits
     fits: list = None  # micro-batches that fit 40, 80 and 141 GB
+    parts: collections.Counter = None  # --profile: self CPU µs by (part, phase) over all profiled steps
 
 
 def timing_table(runs, env):
@@ -247,6 +261,123 @@ def build(row, env):
         row.model = model.to(env.device)
         row.forward = parallel.data_parallel(torch.compile(row.model) if env.compile else row.model, env)
     row.optimizers = build_optimizers(row.model, row.cfg) if row.bench["optimizer"] else None
+
+
+# --profile=True: the parts of a step, each the forward of some modules or functions of model.py and, linked to it by
+# autograd's sequence numbers, its backward; "recompute" is any of them (or a checkpointed block) run again in backward
+PARTS = ("anchors", "dynamic scales", "mix", "recompute", "rest", "optimizers")
+PHASES = ("forward", "backward", "optimizer")  # step's record_function ranges
+PART_FUNCTIONS = {"mix_with_anchor": "mix", "dynamic_mix": "mix"}  # model.py's functions that are a part
+BACKWARD_NODE = "autograd::engine::evaluate_function: "  # the profiler's range around each backward node it runs
+
+
+@contextlib.contextmanager
+def named_parts(model):
+    """Inside it, each part of model's forward (PARTS) runs in a record_function range "part::NAME", set from outside
+    model.py by wrappers of modules' forward (anchor_proj, each DynamicScale; each Block, only when run again) and of
+    functions (GPT.normalize, PART_FUNCTIONS). Run inside a backward pass (checkpointing's recompute, which may stop
+    midway: a range closes on the way out of an exception too), a part is named "recompute"."""
+    def wrapped(fn, part):
+        def run(*args, **kwargs):
+            name = "recompute" if torch._C._current_autograd_node() is not None else part  # inside a backward node
+            if name is None:
+                return fn(*args, **kwargs)
+            with record_function("part::" + name):
+                return fn(*args, **kwargs)
+        return run
+
+    modules = [(model.anchor_proj, "anchors")] + [(b.attn.dyn, "dynamic scales") for b in model.blocks] + \
+        [(b, None) for b in model.blocks]
+    owners = [(m, "forward", part) for m, part in modules if m is not None] + [(model, "normalize", "anchors")] + \
+        [(model_file, name, part) for name, part in PART_FUNCTIONS.items() if hasattr(model_file, name)]
+    originals = [getattr(owner, name) for owner, name, _ in owners]
+    for (owner, name, part), fn in zip(owners, originals):
+        setattr(owner, name, wrapped(fn, part))  # an instance's attribute, over its class's method
+    try:
+        yield
+    finally:
+        for (owner, name, _), fn in zip(owners, originals):
+            if owner is model_file:
+                setattr(owner, name, fn)
+            else:
+                delattr(owner, name)  # the class's method again
+
+
+def part_times(events):
+    """{(part, phase): self CPU µs} of the profiled events: each event's own time (not its children's) goes to the
+    part of its nearest enclosing part range, or of the backward node it runs in (the part of the forward op with that
+    node's sequence number), else to "rest"; under the optimizer range, to "optimizers". Their sum is the time of the
+    step's ranges."""
+    def ancestors(e):
+        while e is not None:
+            yield e
+            e = e.cpu_parent
+
+    def enclosing(e, forward_part):  # the part of e, or None
+        for a in ancestors(e):
+            if a.name.startswith("part::"):
+                return a.name[len("part::"):]
+            if a.name.startswith(BACKWARD_NODE):
+                return forward_part.get(a.sequence_nr)
+        return None
+
+    forward_part = {}  # sequence number of a forward op made in a part -> the part
+    for e in events:
+        if e.sequence_nr >= 0 and not e.name.startswith(BACKWARD_NODE):
+            part = enclosing(e, {})
+            if part is not None:
+                forward_part[e.sequence_nr] = part
+    times = collections.Counter()
+    for e in events:
+        phase = next((a.name for a in ancestors(e) if a.cpu_parent is None), None)
+        if phase in PHASES:
+            part = "optimizers" if phase == "optimizer" else (enclosing(e, forward_part) or "rest")
+            times[part, phase] += e.self_cpu_time_total
+    return times
+
+
+def profile_table(runs, env):
+    """--profile=True: rounds x steps steps of each model, interleaved, under torch.profiler (eager); per part (PARTS)
+    and phase, the mean self CPU time of a step, and what each model adds to the first's, as a share of its step."""
+    first = runs[0]
+    if env.compile or not env.device.startswith("cpu"):
+        raise ValueError("--profile=True: eager on a CPU only (compile fuses the parts; a GPU's kernels run "
+                         "asynchronously, outside the ranges)")
+    B, T = first.cfg.batch_size, first.config.block_size
+    x, y = synthetic_batch(B, T, first.config.vocab_size, first.bench["doc_len"], env.device)
+    for row in runs:
+        build(row, env)
+        for _ in range(row.bench["warmup"]):
+            step(row, x, y, env)
+        row.parts = collections.Counter()
+    for _ in range(first.bench["rounds"]):
+        for row in runs:
+            with named_parts(row.model), profile(activities=[ProfilerActivity.CPU]) as prof:
+                for _ in range(row.bench["steps"]):
+                    row.times.append(step(row, x, y, env))
+            row.parts.update(part_times(prof.events()))
+    n = len(first.times)
+    print(f"where a step's time goes (torch.profiler: self CPU time, mean ms of {n} profiled steps): {env.device}, "
+          f"{first.cfg.dtype or 'auto'} dtype, eager, doc_mask={first.cfg.doc_mask}, batch {B} x {T} tokens, "
+          f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    ms = lambda row, *keys: sum(v for k, v in row.parts.items() if all(a in k for a in keys)) / n / 1000
+    ref = ms(first)
+    print(f"\n{'part':<16}{'phase':<10}" + "".join(f"{r.name[:14]:>15}" for r in runs)
+          + "".join(f"{'+' + r.name[:13]:>15}{'% step':>8}" for r in runs[1:]))
+    lines = [(part, phase) for part in PARTS for phase in PHASES[:2] if part != "optimizers"] + \
+        [("optimizers", "optimizer"), ("step", "")]
+    for part, phase in lines:
+        keys = (part, phase) if part != "step" else ()
+        values = [ms(r, *keys) for r in runs]
+        print(f"{part:<16}{phase:<10}" + "".join(f"{v:>15.1f}" for v in values)
+              + "".join(f"{v - values[0]:>15.1f}{(v - values[0]) / ref:>8.1%}" for v in values[1:]))
+    print(f"\nstep time ratio {' '.join(f'{ms(r) / ref:.4f}' for r in runs)} (profiled), FLOP ratio "
+          + " ".join(f"{flops_per_token(r.model, T) / flops_per_token(first.model, T):.4f}" for r in runs))
+    # the same steps' own shares: unlike the ratio, untouched by a load that changes between one model's steps and
+    # the next's
+    print("the parts' share of each model's own step: " + " ".join(
+        f"{r.name} {1 - (ms(r, 'rest') + ms(r, 'optimizers')) / ms(r):.1%}" for r in runs))
+    return runs
 
 
 class CollectiveBytes(TorchDispatchMode):
@@ -583,13 +714,15 @@ def step(row, x, y, env):
     if cuda:
         torch.cuda.synchronize()
     t0 = time.perf_counter()
-    with env.runtime.autocast():
+    with record_function("forward"), env.runtime.autocast():  # the phases --profile=True tells apart
         _, loss = row.forward(x, y, z_loss=row.cfg.z_loss, doc_mask=row.cfg.doc_mask)
-    loss.backward()
-    if row.optimizers:
-        optimizer_step(row)
-    else:
-        row.model.zero_grad(set_to_none=True)
+    with record_function("backward"):
+        loss.backward()
+    with record_function("optimizer"):
+        if row.optimizers:
+            optimizer_step(row)
+        else:
+            row.model.zero_grad(set_to_none=True)
     if cuda:
         torch.cuda.synchronize()
     return time.perf_counter() - t0
