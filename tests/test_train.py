@@ -1093,6 +1093,9 @@ def test_bench_prints_time_and_flop_ratios(capsys):
     flops = [flops_per_token(r.model, 32) for r in runs]
     assert float(rows["dyn_exo"][-1]) == pytest.approx(flops[1] / flops[0], abs=1e-4) and flops[1] > flops[0]
     assert rows["dyn_exo"][1] == f"{runs[1].model.num_params():,}"
+    by_round = [a / b for a, b in zip(runs[1].times, runs[0].times)]  # one step a round: its own median
+    assert f"time ratio by round, dyn_exo: {by_round[0]:.4f} {by_round[1]:.4f} " \
+           f"(spread {max(by_round) - min(by_round):.4f})" in out.splitlines()
     assert runs[0].model.lm_head.weight.abs().sum() > 0  # the optimisers did step (lm_head starts at 0)
     runs = bench.main(["configs/gated.py"] + size + ["--optimizer=False"])
     assert "forward+backward:" in capsys.readouterr().out

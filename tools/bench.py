@@ -244,9 +244,19 @@ def timing_table(runs, env):
             if env.device.startswith("cuda") else "-"
         print(f"{row.name:<36}{row.model.num_params():>14,}{ms:>10.1f}{B * T / ms * 1000:>12,.0f}{mfu:>7}"
               f"{mem:>11}{ms / ref_ms:>12.4f}{flops_per_token(row.model, T) / ref_flops:>12.4f}")
+    for row in runs[1:]:  # one run's own spread: each round's median against the first row's in the same round
+        ratios = [a / b for a, b in zip(round_medians(row), round_medians(first))]
+        print(f"time ratio by round, {row.name}: {' '.join(f'{r:.4f}' for r in ratios)} "
+              f"(spread {max(ratios) - min(ratios):.4f})")
     if env.distributed:
         rank_table(runs, x, y, env)
     return runs
+
+
+def round_medians(row):
+    """The median step time of each round of row.times (steps per round, in the order they ran)."""
+    n = row.bench["steps"]
+    return [statistics.median(row.times[i:i + n]) for i in range(0, len(row.times), n)]
 
 
 def build(row, env):
