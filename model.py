@@ -411,8 +411,8 @@ def checkpointed(fn, *args, when=True):
 
 
 def dynamic_mix(own, anchor, lam1, lam2, s1, s2):
-    """mix_with_anchor with scales (Eq. 12), keeping only its inputs for backward, not autograd's products λ·x: eagerly
-    DynamicMix (autograd's gradients, bit for bit); compiled, a checkpoint, whose recompute inductor fuses."""
+    """mix_with_anchor with scales (Eq. 12), keeping only its inputs for backward, not autograd's products λ·x:
+    eagerly DynamicMix (autograd's gradients, bit for bit); compiled, a checkpoint, whose recompute inductor fuses."""
     if anchor is None or not torch.is_grad_enabled():  # inference, anchor removal (§4.5): nothing to keep
         return mix_with_anchor(own, anchor, lam1, lam2, s1, s2)
     if torch.compiler.is_compiling():  # without the checkpoint, inductor keeps more
@@ -421,10 +421,10 @@ def dynamic_mix(own, anchor, lam1, lam2, s1, s2):
 
 
 class DynamicMix(torch.autograd.Function):
-    """(λ2·S)·s2 + (λ1·N(S_anc))·s1, keeping its inputs for backward, not the two products λ·x that autograd keeps (32
-    MiB a layer per 2048-token sequence at 450M, bf16). Backward recomputes those two only, where a checkpoint reran
-    the mix, and forms autograd's products in its order; in place where autograd allocates (on a CPU a new tensor
-    costs about what the product written into it does)."""
+    """(λ2·S)·s2 + (λ1·N(S_anc))·s1, keeping its inputs for backward, not the two products λ·x that autograd
+    keeps (32 MiB a layer per 2048-token sequence at 450M, bf16). Backward recomputes those two only, where a
+    checkpoint reran the mix, and forms autograd's products in its order; in place where autograd allocates (on a
+    CPU a new tensor costs about what the product written into it does)."""
 
     @staticmethod
     def forward(ctx, own, anchor, lam1, lam2, s1, s2):  # mix_with_anchor's arguments, λ cast

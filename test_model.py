@@ -501,7 +501,8 @@ def test_dynamic_mix_keeps_for_backward_what_a_checkpoint_of_the_mix_kept(monkey
     idx = tokens(model.config, B=1)
     kept = lambda: saved_bytes(model, idx[:, :-1], idx[:, 1:], torch.autocast("cpu", enabled=False), False)
     lean = kept()
-    monkeypatch.setattr(model_file, "dynamic_mix", lambda *args: checkpoint(mix_with_anchor, *args, use_reentrant=False))
+    checkpointed_mix = lambda *args: checkpoint(mix_with_anchor, *args, use_reentrant=False)
+    monkeypatch.setattr(model_file, "dynamic_mix", checkpointed_mix)
     assert kept() == lean
     monkeypatch.setattr(model_file, "dynamic_mix", mix_with_anchor)
     c = model.config
