@@ -6,6 +6,7 @@ import base64
 import fcntl
 import os
 import shutil
+import tempfile
 
 import pytest
 
@@ -22,6 +23,12 @@ def pytest_configure(config):
     torch's threads, in it and in every process its tests start (torchrun's, mp.spawn's), are its share of the CPUs:
     N workers would otherwise start N threads a process for N cores, which spin as they wait for each other."""
     os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+    # inductor's on-disk cache does not key its C++ kernels by ATEN_CPU_CAPABILITY: after a run on the native kernels,
+    # a run under ATEN_CPU_CAPABILITY=default reused AVX-512 kernels that no longer compile (6 compile tests failed,
+    # "'at::vec' has not been declared"; with a cold cache they pass), so a forced capability gets a cache of its own
+    capability = os.environ.get("ATEN_CPU_CAPABILITY")
+    if capability and "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(tempfile.gettempdir(), f"torchinductor_{capability}")
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", 0))
     if workers:
         os.environ["OMP_NUM_THREADS"] = str(max(1, len(os.sched_getaffinity(0)) // workers))
